@@ -1,0 +1,1 @@
+"""h2ir: the IR, standardized op set, costs, plans, search and compiler of h2."""

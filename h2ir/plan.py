@@ -1,0 +1,79 @@
+"""The plan: which chips run which layers, with what parallelism.
+
+This module holds only the data. `h2ir/plandsl.py` prints and parses the `.h2plan` text form,
+`h2ir/validate.py` checks a plan against a model and a cluster, `h2ir/search.py` (HeteroAuto)
+produces plans.
+
+Conventions
+- Layer names are the h2ir layer names: 'embed', 'block.<i>', 'head'. In the DSL a bare integer
+  range `0..17` means blocks 0 to 17 inclusive.
+- `dp` is one global data-parallel degree: the whole pipeline is replicated `dp` times.
+- A stage's `chips` counts every chip the stage occupies across all replicas, so
+  chips == dp * tp (the validator checks it); each replica of a stage uses `tp` chips.
+- Micro-batches per step per replica: m = global_batch / (dp * micro_batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("1f1b", "gpipe")
+RECOMPUTE = ("none", "full")
+A2A_ALGOS = ("flat", "halo")
+PLACEMENTS = ("contiguous", "round_robin", "balanced")
+MIGRATION = ("none", "periodic")
+
+
+@dataclass
+class StagePlan:
+    chip: str
+    chips: int
+    layers: list[str]
+    tp: int = 1
+    recompute: str = "none"
+    line: int = 0                    # source line in the .h2plan file (0: not from a file)
+
+
+@dataclass
+class MoEPlan:
+    ep: int = 1
+    placement: str = "contiguous"
+    a2a: str = "flat"
+    migration: str = "none"
+    migration_every: int = 0         # steps between migrations when migration == 'periodic'
+    line: int = 0
+
+
+@dataclass
+class Plan:
+    model: str
+    cluster: str
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    stages: list[StagePlan]
+    dp: int = 1
+    schedule: str = "1f1b"
+    moe: MoEPlan | None = None
+    source: str | None = field(default=None, compare=False)   # file the plan came from
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def num_workers(self) -> int:
+        """Executor workers: one per (replica, stage) (TP groups count as one worker)."""
+        return self.dp * len(self.stages)
+
+    def worker(self, replica: int, stage: int) -> int:
+        return replica * len(self.stages) + stage
+
+    def stage_of_layer(self, layer: str) -> int:
+        for i, s in enumerate(self.stages):
+            if layer in s.layers:
+                return i
+        raise KeyError(layer)

@@ -1,0 +1,138 @@
+"""Per-worker instruction streams: the schedule as data.
+
+A worker is one (replica, stage) pair; worker id = replica * S + stage. Each worker runs an
+ordered list of small instructions. The executor interprets them; the simulator times them with
+the resource model. Every instruction has a one-line text form that round-trips:
+
+    fwd 3                   forward of micro-batch 3 (on stage 0 this also loads its input batch)
+    bwd 3                   backward of micro-batch 3 (on the last stage this starts from the loss)
+    send_act 3 -> w1        send micro-batch 3's boundary activations to worker 1
+    recv_act 3 <- w0        receive micro-batch 3's boundary activations from worker 0
+    send_grad 3 -> w0       send the gradient w.r.t. the stage's inputs upstream
+    recv_grad 3 <- w1       receive the gradient w.r.t. the stage's outputs
+    all_reduce grads [w0 w2]      average parameter gradients across the replicas of a stage
+    all_to_all 3 [w0 w1]    MoE token exchange for micro-batch 3 inside an expert group (roadmap)
+    opt_step                optimizer step on this worker's parameters
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+OPS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad",
+       "all_reduce", "all_to_all", "opt_step")
+
+
+@dataclass(frozen=True)
+class Instr:
+    op: str
+    mb: int | None = None
+    peer: int | None = None
+    group: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        if self.op in ("fwd", "bwd"):
+            return f"{self.op} {self.mb}"
+        if self.op in ("send_act", "send_grad"):
+            return f"{self.op} {self.mb} -> w{self.peer}"
+        if self.op in ("recv_act", "recv_grad"):
+            return f"{self.op} {self.mb} <- w{self.peer}"
+        if self.op == "all_reduce":
+            return "all_reduce grads [" + " ".join(f"w{g}" for g in self.group) + "]"
+        if self.op == "all_to_all":
+            return f"all_to_all {self.mb} [" + " ".join(f"w{g}" for g in self.group) + "]"
+        return self.op
+
+    @classmethod
+    def parse(cls, text: str) -> "Instr":
+        t = text.strip()
+        m = re.fullmatch(r"(fwd|bwd) (\d+)", t)
+        if m:
+            return cls(m[1], int(m[2]))
+        m = re.fullmatch(r"(send_act|send_grad) (\d+) -> w(\d+)", t)
+        if m:
+            return cls(m[1], int(m[2]), int(m[3]))
+        m = re.fullmatch(r"(recv_act|recv_grad) (\d+) <- w(\d+)", t)
+        if m:
+            return cls(m[1], int(m[2]), int(m[3]))
+        m = re.fullmatch(r"all_reduce grads \[((?:w\d+ ?)*)\]", t)
+        if m:
+            return cls("all_reduce", group=tuple(int(g[1:]) for g in m[1].split()))
+        m = re.fullmatch(r"all_to_all (\d+) \[((?:w\d+ ?)*)\]", t)
+        if m:
+            return cls("all_to_all", int(m[1]), group=tuple(int(g[1:]) for g in m[2].split()))
+        if t == "opt_step":
+            return cls("opt_step")
+        raise ValueError(f"not an instruction: {text!r} (expected one of: {', '.join(OPS)})")
+
+
+def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group) -> list[Instr]:
+    """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions."""
+    out: list[Instr] = []
+    prev = worker(stage - 1) if stage > 0 else None
+    nxt = worker(stage + 1) if stage < S - 1 else None
+    for kind, mb in order:
+        if kind == "F":
+            if prev is not None:
+                out.append(Instr("recv_act", mb, prev))
+            out.append(Instr("fwd", mb))
+            if nxt is not None:
+                out.append(Instr("send_act", mb, nxt))
+        else:
+            if nxt is not None:
+                out.append(Instr("recv_grad", mb, nxt))
+            out.append(Instr("bwd", mb))
+            if prev is not None:
+                out.append(Instr("send_grad", mb, prev))
+    if len(dp_group) > 1:
+        out.append(Instr("all_reduce", group=tuple(dp_group)))
+    out.append(Instr("opt_step"))
+    return out
+
+
+def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, int]]:
+    """Order of forward/backward micro-batch computations on `stage` of S with m micro-batches."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule == "1f1b":
+        # PipeDream-Flush / Megatron 1F1B (Narayanan et al., SC'21, Sec. 2.2): stage s warms up
+        # with S-1-s forwards, then alternates one forward / one backward, then drains.
+        warm = min(S - 1 - stage, m)
+        order = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while f < m:
+            order.append(("F", f)); f += 1
+            order.append(("B", b)); b += 1
+        order += [("B", i) for i in range(b, m)]
+        return order
+    raise ValueError(f"unknown schedule {schedule!r} (expected 1f1b or gpipe)")
+
+
+def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1) -> dict[int, list[Instr]]:
+    """Instruction streams for every worker of a dp x num_stages pipeline."""
+    S = num_stages
+    streams: dict[int, list[Instr]] = {}
+    for r in range(dp):
+        for s in range(S):
+            order = compute_order(schedule, s, S, num_microbatches)
+            streams[r * S + s] = _stage_stream(
+                order, s, S, worker=lambda st, r=r: r * S + st,
+                dp_group=[q * S + s for q in range(dp)])
+    return streams
+
+
+def format_stream(instrs: list[Instr]) -> str:
+    return "".join(f"{i}\n" for i in instrs)
+
+
+def parse_stream(text: str) -> list[Instr]:
+    return [Instr.parse(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def to_csv(streams: dict[int, list[Instr]]) -> str:
+    """One row per worker, one compute action per column (like torch.distributed.pipelining's CSV)."""
+    rows = []
+    for w in sorted(streams):
+        cells = [f"{i.op[0].upper()}{i.mb}" for i in streams[w] if i.op in ("fwd", "bwd")]
+        rows.append(f"w{w}," + ",".join(cells))
+    return "\n".join(rows) + "\n"
