@@ -1,0 +1,74 @@
+"""What a backend ("vendor") is: an op table over the h2ir op set plus a device runtime.
+
+A backend implements kernels for ops of `h2ir.opset` (by name) and a small runtime: moving host
+bytes in and out (numpy arrays are the vendor-neutral host form), allocation, dtype support,
+synchronisation and the optimizer update. `run_program` interprets an h2ir program with any
+backend, node by node (as torch.fx.Interpreter does for fx graphs).
+
+Capability check: `missing_kernels(graph, backend)` lists the ops a program needs that the backend
+lacks — the compiler calls it before anything runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from h2ir.graph import Graph, Value, full_attrs
+
+
+class Backend(Protocol):
+    name: str
+    ops: dict            # h2ir op name -> kernel(*inputs, **attrs) -> tensor | tuple of tensors
+    dtypes: set          # h2ir dtype names this backend computes in
+
+    def from_numpy(self, a: np.ndarray, dtype: str):
+        """Host array -> device tensor of h2ir dtype `dtype` (bf16 arrives as a uint16 view)."""
+
+    def to_numpy(self, t) -> np.ndarray:
+        """Device tensor -> host array (bf16 leaves as a uint16 view)."""
+
+    def zeros(self, shape: tuple, dtype: str):
+        ...
+
+    def synchronize(self) -> None:
+        ...
+
+    def adamw_step(self, params: list, grads: list, exp_avg: list, exp_avg_sq: list, step: int,
+                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """In-place AdamW (Loshchilov & Hutter 2019), same formula as torch.optim.AdamW."""
+
+
+def missing_kernels(graph: Graph, backend) -> set[str]:
+    return {n.op for n in graph.nodes()} - set(backend.ops)
+
+
+def run_program(graph: Graph, backend, inputs: dict) -> list:
+    """Interpret `graph` on `backend`. `inputs` maps every input/const/param name to a tensor."""
+    env = dict(inputs)
+    ops = backend.ops
+    for layer in graph.layers:
+        for n in layer.nodes:
+            args = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]
+            out = ops[n.op](*args, **full_attrs(n))
+            if len(n.outputs) == 1:
+                env[n.outputs[0].name] = out
+            else:
+                for v, o in zip(n.outputs, out):
+                    env[v.name] = o
+    return [env[v.name] for v in graph.outputs]
+
+
+def get_backend(name: str, **options):
+    """The backend registered under `name` ('torch', 'numpy')."""
+    if name == "torch":
+        from backends.torch.runtime import TorchBackend
+        return TorchBackend(**options)
+    if name == "numpy":
+        from backends.numpy.runtime import NumpyBackend
+        return NumpyBackend(**options)
+    raise KeyError(name)
+
+
+BACKENDS = ("torch", "numpy")
+KernelTable = dict[str, Callable]

@@ -1,0 +1,508 @@
+"""Lowering ATen-level torch.fx graphs to h2ir: the one mapping table from ATen ops to the op set.
+
+Both the frontend (models traced on the meta device) and the compiler (forward/backward graphs
+from AOTAutograd) lower through `lower_fx`. Each entry of `ATEN` turns one ATen call into h2ir
+nodes through an `Emitter`; an ATen op without an entry is a clear error naming the op, the
+module path and the model source line.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+from h2ir.errors import H2Error
+from h2ir.graph import Graph, Layer, Node, Value, infer_types
+from h2ir.types import TensorType
+
+aten = torch.ops.aten
+
+TORCH_DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
+                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.int8: "i8",
+                torch.uint8: "u8", torch.bool: "bool"}
+
+
+def h2_dtype(dt: torch.dtype) -> str:
+    if dt not in TORCH_DTYPES:
+        raise H2Error(f"dtype {dt} is not supported by h2ir (expected one of "
+                      f"{', '.join(TORCH_DTYPES.values())})")
+    return TORCH_DTYPES[dt]
+
+
+def tensor_type(val) -> TensorType:
+    return TensorType(h2_dtype(val.dtype), tuple(int(s) for s in val.shape))
+
+
+class Unsupported(Exception):
+    """An ATen call that the mapping table cannot express (message says why)."""
+
+
+class Emitter:
+    """Appends h2ir nodes to the current layer; types come from the op set's shape rules."""
+
+    def __init__(self, namer: Callable[[str], str]):
+        self.nodes: list[Node] = []
+        self.namer = namer
+        self.hint = "t"
+
+    def __call__(self, op: str, *inputs, **attrs):
+        from h2ir import opset
+        defaults = opset.get(op).attrs
+        attrs = {k: v for k, v in attrs.items() if k not in defaults or defaults[k] != v
+                 or type(defaults[k]) is not type(v)}
+        try:
+            types = infer_types(op, list(inputs), attrs)
+        except (ValueError, IndexError, TypeError, KeyError) as e:
+            raise Unsupported(f"{op}: {e}") from None
+        outs = [Value(self.namer(self.hint), t) for t in types]
+        self.nodes.append(Node(op, list(inputs), attrs, outs))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _dims(dims, rank):
+    if dims is None:
+        return None
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % rank for d in dims]
+
+
+def _shape(v: Value):
+    return list(v.type.shape)
+
+
+def _reduction(r: int) -> str:
+    return {0: "none", 1: "mean", 2: "sum"}[r]
+
+
+def _linear(em, x, w, b=None):
+    wt = em("transpose", w, dim0=0, dim1=1)
+    lead = _shape(x)[:-1]
+    x2 = em("reshape", x, shape=[-1, _shape(x)[-1]]) if x.type.rank != 2 else x
+    y = em("mm", x2, wt)
+    if x.type.rank != 2:
+        y = em("reshape", y, shape=lead + [_shape(w)[0]])
+    return em("add", y, b) if b is not None else y
+
+
+def _matmul(em, a, b):
+    if a.type.rank == 2 and b.type.rank == 2:
+        return em("mm", a, b)
+    if b.type.rank == 2:
+        lead = _shape(a)[:-1]
+        y = em("mm", em("reshape", a, shape=[-1, _shape(a)[-1]]), b)
+        return em("reshape", y, shape=lead + [_shape(b)[-1]])
+    if a.type.rank == b.type.rank and a.type.rank >= 3 and _shape(a)[:-2] == _shape(b)[:-2]:
+        lead = _shape(a)[:-2]
+        a3 = em("reshape", a, shape=[-1] + _shape(a)[-2:])
+        b3 = em("reshape", b, shape=[-1] + _shape(b)[-2:])
+        y = em("bmm", a3, b3)
+        return em("reshape", y, shape=lead + [_shape(a)[-2], _shape(b)[-1]])
+    raise Unsupported(f"matmul of {a.type} and {b.type} (broadcast batch dims) is not lowered yet")
+
+
+def _split(em, x, size, dim=0):
+    dim %= x.type.rank
+    n = x.type.shape[dim]
+    sizes = [min(size, n - i) for i in range(0, n, size)]
+    out = em("split", x, dim=dim, sizes=sizes)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _split_sizes(em, x, sizes, dim=0):
+    out = em("split", x, dim=dim % x.type.rank, sizes=list(sizes))
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _chunk(em, x, chunks, dim=0):
+    n = x.type.shape[dim % x.type.rank]
+    return _split(em, x, -(-n // chunks), dim)
+
+
+def _slice(em, x, dim=0, start=None, end=None, step=1):
+    size = x.type.shape[dim % x.type.rank]
+    if start == 0:
+        start = None
+    if end is not None and end >= size:
+        end = None
+    if start is None and end is None and step == 1:
+        return x
+    return em("slice", x, dim=dim % x.type.rank, start=start, end=end, step=step)
+
+
+def _alias(em, x, *args, **kwargs):
+    return x
+
+
+def _to_copy(em, x, dtype=None, **kwargs):
+    if dtype is None or h2_dtype(dtype) == x.type.dtype:
+        return x
+    return em("cast", x, dtype=h2_dtype(dtype))
+
+
+def _reduce(op):
+    def f(em, x, dims=None, keepdim=False, dtype=None):
+        if dtype is not None and h2_dtype(dtype) != x.type.dtype:
+            x = em("cast", x, dtype=h2_dtype(dtype))
+        return em(op, x, dims=_dims(dims, x.type.rank), keepdim=bool(keepdim))
+    return f
+
+
+def _binary(op, swap=False):
+    def f(em, a, b, alpha=1):
+        if alpha != 1:
+            b = em("mul", b, alpha)
+        return em(op, b, a) if swap else em(op, a, b)
+    return f
+
+
+def _unary(op):
+    return lambda em, x: em(op, x)
+
+
+def _out_shape(op):
+    """Shape-only ops whose result shape we take from the traced value."""
+    def f(em, x, *args, _out=None, **kwargs):
+        if op == "expand":
+            return em("expand", x, shape=list(_out.shape))
+        if list(_out.shape) == _shape(x):
+            return x
+        return em("reshape", x, shape=list(_out.shape))
+    f.wants_out = True
+    return f
+
+
+def _full(em, size, value, dtype=None, _out=None, **kwargs):
+    return em("full", shape=list(_out.shape), value=value, dtype=h2_dtype(_out.dtype))
+
+
+_full.wants_out = True
+
+
+def _like(value):
+    def f(em, x, *args, _out=None, **kwargs):
+        v = value if value is not None else args[0]
+        return em("full", shape=list(_out.shape), value=v, dtype=h2_dtype(_out.dtype))
+    f.wants_out = True
+    return f
+
+
+def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    if attn_mask is not None:
+        raise Unsupported("attention with an explicit attn_mask is not in the op set yet "
+                          "(use is_causal=True)")
+    if dropout_p:
+        raise Unsupported("attention dropout is not supported")
+    return em("attention", q, k, v, causal=bool(is_causal), scale=scale)
+
+
+def _sdpa(em, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa:
+        raise Unsupported("attention with enable_gqa is not lowered yet")
+    return _attention_fwd(em, q, k, v, dropout_p, is_causal, attn_mask, scale)[0]
+
+
+def _attention_bwd(em, g, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
+    if attn_mask is not None:
+        raise Unsupported("attention backward with an explicit attn_mask is not supported")
+    return em("attention_bwd", g, q, k, v, out, lse, causal=bool(is_causal), scale=scale)
+
+
+def _nll_fwd(em, x, target, weight, reduction, ignore_index):
+    if weight is not None:
+        raise Unsupported("nll_loss with class weights is not supported")
+    return em("nll_loss", x, target, reduction=_reduction(reduction), ignore_index=ignore_index)
+
+
+def _nll_bwd(em, g, x, target, weight, reduction, ignore_index, total_weight):
+    if weight is not None:
+        raise Unsupported("nll_loss with class weights is not supported")
+    return em("nll_loss_bwd", g, x, target, total_weight, reduction=_reduction(reduction),
+              ignore_index=ignore_index)
+
+
+def _embedding_bwd(em, g, ids, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+    if scale_grad_by_freq or padding_idx not in (-1, None):
+        raise Unsupported("embedding backward with padding_idx/scale_grad_by_freq")
+    return em("embedding_bwd", g, ids, num_weights=num_weights)
+
+
+def _where_scalar_other(em, c, a, other):
+    return em("where", c, a, other)
+
+
+def _topk(em, x, k, dim=-1, largest=True, sorted=True):
+    if not largest:
+        raise Unsupported("topk(largest=False)")
+    return em("topk", x, k=k, dim=dim % x.type.rank)
+
+
+def _arange(em, *args, _out=None, dtype=None, **kwargs):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (list(args) + [1])[:3]
+    return em("arange", start=start, end=end, step=step, dtype=h2_dtype(_out.dtype))
+
+
+_arange.wants_out = True
+
+
+# The mapping table: ATen overload -> lowering. One table for the frontend and the compiler.
+ATEN: dict = {
+    aten.embedding.default: lambda em, w, ids, *a, **k: em("embedding", w, ids),
+    aten.t.default: lambda em, x: em("transpose", x, dim0=0, dim1=1) if x.type.rank == 2 else x,
+    aten.transpose.int: lambda em, x, d0, d1: em("transpose", x, dim0=d0 % x.type.rank,
+                                                 dim1=d1 % x.type.rank),
+    aten.permute.default: lambda em, x, dims: em("permute", x, dims=_dims(dims, x.type.rank)),
+    aten.view.default: _out_shape("reshape"),
+    aten._unsafe_view.default: _out_shape("reshape"),
+    aten.reshape.default: _out_shape("reshape"),
+    aten.unsqueeze.default: _out_shape("reshape"),
+    aten.squeeze.dim: _out_shape("reshape"),
+    aten.squeeze.dims: _out_shape("reshape"),
+    aten.squeeze.default: _out_shape("reshape"),
+    aten.flatten.using_ints: _out_shape("reshape"),
+    aten.expand.default: _out_shape("expand"),
+    aten.slice.Tensor: _slice,
+    aten.narrow.default: lambda em, x, dim, start, length: _slice(em, x, dim, start, start + length),
+    aten.select.int: lambda em, x, dim, index: em("select", x, dim=dim % x.type.rank,
+                                                  index=index % x.type.shape[dim]),
+    aten.cat.default: lambda em, xs, dim=0: em("cat", *xs, dim=dim % xs[0].type.rank),
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split_sizes,
+    aten.chunk.default: _chunk,
+    aten.clone.default: _alias,
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.contiguous.default: _alias,
+    aten.lift_fresh_copy.default: _alias,
+    aten.dropout.default: lambda em, x, p, train: x if p == 0 or not train else (_ for _ in ()).throw(
+        Unsupported("dropout with p > 0 in training is not supported")),
+    aten._to_copy.default: _to_copy,
+    aten.to.dtype: lambda em, x, dtype, *a, **k: _to_copy(em, x, dtype),
+    aten.to.dtype_layout: lambda em, x, *a, dtype=None, **k: _to_copy(em, x, dtype),
+    aten.to.device: lambda em, x, device, dtype=None, *a, **k: _to_copy(em, x, dtype),
+    aten.__and__.Tensor: _binary("logical_and"), aten.__or__.Tensor: _binary("logical_or"),
+    aten.type_as.default: lambda em, x, other: _to_copy(em, x, getattr(torch, {
+        "f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}.get(
+        other.type.dtype, "float32"))),
+    aten.add.Tensor: _binary("add"), aten.add.Scalar: _binary("add"),
+    aten.sub.Tensor: _binary("sub"), aten.sub.Scalar: _binary("sub"),
+    aten.rsub.Scalar: _binary("sub", swap=True), aten.rsub.Tensor: _binary("sub", swap=True),
+    aten.mul.Tensor: _binary("mul"), aten.mul.Scalar: _binary("mul"),
+    aten.div.Tensor: _binary("div"), aten.div.Scalar: _binary("div"),
+    aten.maximum.default: _binary("maximum"), aten.minimum.default: _binary("minimum"),
+    aten.eq.Tensor: _binary("eq"), aten.eq.Scalar: _binary("eq"),
+    aten.ne.Tensor: _binary("ne"), aten.ne.Scalar: _binary("ne"),
+    aten.lt.Tensor: _binary("lt"), aten.lt.Scalar: _binary("lt"),
+    aten.le.Tensor: _binary("le"), aten.le.Scalar: _binary("le"),
+    aten.gt.Tensor: _binary("gt"), aten.gt.Scalar: _binary("gt"),
+    aten.ge.Tensor: _binary("ge"), aten.ge.Scalar: _binary("ge"),
+    aten.logical_and.default: _binary("logical_and"), aten.logical_or.default: _binary("logical_or"),
+    aten.logical_not.default: _unary("logical_not"),
+    aten.where.self: lambda em, c, a, b: em("where", c, a, b),
+    aten.where.ScalarOther: _where_scalar_other,
+    aten.pow.Tensor_Scalar: lambda em, x, e: em("pow", x, exponent=e),
+    aten.mean.dim: _reduce("mean"), aten.sum.dim_IntList: _reduce("sum"),
+    aten.sum.default: lambda em, x, dtype=None: _reduce("sum")(em, x, None, False, dtype),
+    aten.mean.default: lambda em, x, dtype=None: _reduce("mean")(em, x, None, False, dtype),
+    aten.amax.default: _reduce("amax"), aten.amin.default: _reduce("amin"),
+    aten.mm.default: lambda em, a, b: em("mm", a, b),
+    aten.bmm.default: lambda em, a, b: em("bmm", a, b),
+    aten.matmul.default: _matmul,
+    aten.linear.default: _linear,
+    aten.addmm.default: lambda em, bias, a, b, beta=1, alpha=1: em("add", em("mm", a, b), bias),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_fwd,
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_bwd,
+    aten._softmax.default: lambda em, x, dim, half_to_float=False: em("softmax", x, dim=dim % x.type.rank),
+    aten.softmax.int: lambda em, x, dim, dtype=None: em("softmax", x, dim=dim % x.type.rank),
+    aten._log_softmax.default: lambda em, x, dim, h=False: em("log_softmax", x, dim=dim % x.type.rank),
+    aten.log_softmax.int: lambda em, x, dim, dtype=None: em("log_softmax", x, dim=dim % x.type.rank),
+    aten._softmax_backward_data.default: lambda em, g, out, dim, dt: em("softmax_bwd", g, out,
+                                                                        dim=dim % g.type.rank),
+    aten._log_softmax_backward_data.default: lambda em, g, out, dim, dt: em(
+        "log_softmax_bwd", g, out, dim=dim % g.type.rank),
+    aten.silu_backward.default: lambda em, g, x: em("silu_bwd", g, x),
+    aten.embedding_dense_backward.default: _embedding_bwd,
+    aten.nll_loss_forward.default: _nll_fwd,
+    aten.nll_loss_backward.default: _nll_bwd,
+    aten.full.default: _full,
+    aten.zeros.default: _like(0.0), aten.ones.default: _like(1.0),
+    aten.scalar_tensor.default: _like(None),
+    aten.zeros_like.default: _like(0.0), aten.ones_like.default: _like(1.0),
+    aten.full_like.default: _like(None),
+    aten.new_zeros.default: _like(0.0), aten.new_ones.default: _like(1.0),
+    aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+    aten.tril.default: lambda em, x, diagonal=0: em("tril", x, diagonal=diagonal),
+    aten.topk.default: _topk,
+    aten.one_hot.default: lambda em, x, num_classes=-1: em("one_hot", x, num_classes=num_classes),
+    aten.gelu.default: lambda em, x, approximate="none": em("gelu", x) if approximate == "none" else (
+        _ for _ in ()).throw(Unsupported("gelu(approximate='tanh') is not in the op set")),
+}
+# Runtime assertions carry no data: nothing to lower.
+for _assert in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar"):
+    if hasattr(aten, _assert):
+        for _ov in getattr(aten, _assert).overloads():
+            ATEN[getattr(getattr(aten, _assert), _ov)] = lambda em, *a, **k: None
+for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "abs",
+              "reciprocal", "sin", "cos"):
+    ATEN[getattr(aten, _name).default] = _unary(_name)
+
+
+# ---- lowering a whole fx graph -------------------------------------------------------------------
+
+@dataclass
+class SourceInfo:
+    module: str
+    line: str
+
+
+def source_info(node: torch.fx.Node) -> SourceInfo:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [module_path(v[0]) for v in stack.values()]
+    module = paths[-1] if paths else "<top level>"
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    frames = [f for f in frames if "/torch/" not in f[0] and "/frontend/" not in f[0]]
+    line = f'{frames[-1][0]}:{frames[-1][1]}: {frames[-1][3].strip()}' if frames else ""
+    return SourceInfo(module, line)
+
+
+def module_path(p: str) -> str:
+    """Normalise torch.export's module paths (L['self'].layers[0]) to dotted paths (layers.0)."""
+    p = re.sub(r"^L\['self'\]\.?", "", p)
+    p = re.sub(r"\[(\d+)\]", r".\1", p)
+    p = re.sub(r"\._modules\['([^']+)'\]", r".\1", p)
+    return p.strip(".")
+
+
+def op_name(target) -> str:
+    return str(target) if not hasattr(target, "name") else target.name()
+
+
+def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict, consts: dict,
+             layer_of: Callable[[torch.fx.Node], tuple], attrs: dict | None = None,
+             file: str | None = None) -> Graph:
+    """Lower an ATen-level fx graph to h2ir.
+
+    inputs/params/consts map placeholder (or get_attr) node names to h2ir value names.
+    `layer_of(node)` gives (layer_name, kind, layer_attrs) for each call node; nodes are appended
+    to layers in graph order (a new layer starts when the name changes).
+    """
+    g = Graph(name=name, attrs=dict(attrs or {}))
+    gm.graph.eliminate_dead_code()
+    env: dict[str, object] = {}
+    used_names: set[str] = set()
+
+    def namer(hint: str) -> str:
+        base = re.sub(r"[^A-Za-z0-9_.]", "_", hint)
+        n, i = base, 1
+        while n in used_names:
+            n = f"{base}_{i}"
+            i += 1
+        used_names.add(n)
+        return n
+
+    param_owner: dict[str, str] = {}
+    layers: dict[str, Layer] = {}
+    em = Emitter(namer)
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            val = node.meta.get("val")
+            if val is None and node.op == "get_attr":
+                val = getattr(gm, node.target)
+            key = node.name if node.op == "placeholder" else node.target
+            if key in params:
+                v = Value(namer(params[key]), tensor_type(val))
+                env[node.name] = v
+            elif key in consts:
+                v = Value(namer(consts[key]), tensor_type(val))
+                g.consts.append(v)
+                env[node.name] = v
+            elif key in inputs:
+                v = Value(namer(inputs[key]), tensor_type(val))
+                g.inputs.append(v)
+                env[node.name] = v
+            elif val is not None and val.numel() == 1 and node.op == "get_attr":
+                env[node.name] = val.item()     # a lifted scalar constant
+            else:
+                raise H2Error(f"graph input {key!r} is neither a model input, a parameter nor a buffer",
+                              file)
+            continue
+        if node.op == "output":
+            outs = node.args[0]
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            for o in outs:
+                if o is None:
+                    continue
+                v = env[o.name]
+                if not isinstance(v, Value):
+                    raise H2Error(f"graph output {o.name} is not a tensor", file)
+                g.outputs.append(v)
+            continue
+        if node.op != "call_function":
+            raise H2Error(f"unexpected fx node {node.op} {node.target} (lower to ATen first)", file)
+
+        args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        if node.target is operator.getitem:
+            env[node.name] = args[0][args[1]]
+            continue
+        lname, kind, lattrs = layer_of(node)
+        if lname not in layers:
+            layers[lname] = Layer(lname, kind, dict(lattrs))
+            g.layers.append(layers[lname])
+        layer = layers[lname]
+        # parameters join the layer of their first use
+        for a in node.all_input_nodes:
+            v = env.get(a.name)
+            key = a.name if a.op == "placeholder" else a.target
+            if key in params and isinstance(v, Value):
+                owner = param_owner.setdefault(v.name, lname)
+                if owner == lname and v not in layer.params:
+                    layer.params.append(v)
+                elif owner != lname:
+                    raise H2Error(f"parameter {params[key]} is used by layers {owner} and {lname} "
+                                  "(tied weights across layers are not supported yet)", file)
+        fn = ATEN.get(node.target)
+        if fn is None:
+            src = source_info(node)
+            raise H2Error(
+                f"op {op_name(node.target)} (from module '{src.module}') is not in the h2ir op set",
+                file, hint=(f"at {src.line}\n  " if src.line else "") +
+                "add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) "
+                "or rewrite the model with supported ops")
+        em.hint = node.name
+        em.nodes = layer.nodes
+        try:
+            if getattr(fn, "wants_out", False):
+                res = fn(em, *args, _out=node.meta["val"], **kwargs)
+            else:
+                res = fn(em, *args, **kwargs)
+        except Unsupported as e:
+            src = source_info(node)
+            raise H2Error(f"cannot lower {op_name(node.target)} (from module '{src.module}'): {e}",
+                          file, hint=f"at {src.line}" if src.line else None) from None
+        _check_against_trace(node, res, file)
+        env[node.name] = res
+    return g
+
+
+def _check_against_trace(node, res, file):
+    """The op set's shape rule must agree with what torch computed for the same call."""
+    val = node.meta.get("val")
+    if val is None:
+        return
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    outs = res if isinstance(res, tuple) else [res]
+    for v, o in zip(vals, outs):
+        if isinstance(v, torch.Tensor) and isinstance(o, Value):
+            want = tensor_type(v)
+            if want.shape != o.type.shape or want.dtype != o.type.dtype:
+                src = source_info(node)
+                raise H2Error(f"internal: h2ir type {o.type} for {op_name(node.target)} "
+                              f"differs from torch's {want} (module '{src.module}')", file)

@@ -1,0 +1,206 @@
+"""The h2ir graph: typed values, op nodes from the standardized op set, grouped into layers.
+
+A `Graph` is a straight-line program. Its values are graph inputs (activations, token ids),
+constants (non-trained buffers such as rotary tables), parameters (owned by a layer, or by the
+program when it is a compiled stage program) and node outputs. Layers are the units a pipeline
+plan assigns; each layer knows its costs (`layer_costs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+from h2ir import opset
+from h2ir.costs import LayerCost, ModelCosts, MoEInfo
+from h2ir.types import TensorType
+
+Scalar = Union[int, float, bool, None]
+VIEW_OPS = {"reshape", "permute", "transpose", "expand", "slice", "select"}
+
+
+@dataclass(eq=False)
+class Value:
+    name: str
+    type: TensorType
+
+    def __repr__(self) -> str:
+        return f"%{self.name}:{self.type}"
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    inputs: list            # Value or scalar literal
+    attrs: dict
+    outputs: list           # Value
+
+    @property
+    def opdef(self) -> opset.OpDef:
+        return opset.get(self.op)
+
+    def input_values(self) -> list[Value]:
+        return [v for v in self.inputs if isinstance(v, Value)]
+
+
+@dataclass(eq=False)
+class Layer:
+    name: str
+    kind: str
+    attrs: dict = field(default_factory=dict)
+    params: list = field(default_factory=list)     # Value
+    nodes: list = field(default_factory=list)      # Node
+
+
+@dataclass(eq=False)
+class Graph:
+    name: str
+    attrs: dict = field(default_factory=dict)
+    inputs: list = field(default_factory=list)     # Value
+    consts: list = field(default_factory=list)     # Value
+    params: list = field(default_factory=list)     # Value not owned by a layer (stage programs)
+    layers: list = field(default_factory=list)     # Layer
+    outputs: list = field(default_factory=list)    # Value
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def nodes(self) -> Iterator[Node]:
+        for layer in self.layers:
+            yield from layer.nodes
+
+    def all_params(self) -> list[Value]:
+        return list(self.params) + [p for l in self.layers for p in l.params]
+
+    def ops_used(self) -> set[str]:
+        return {n.op for n in self.nodes()}
+
+    def layer(self, name: str) -> Layer:
+        for l in self.layers:
+            if l.name == name:
+                return l
+        raise KeyError(name)
+
+    # ---- checking ----------------------------------------------------------------------------
+    def verify(self) -> None:
+        """Every value defined once before use; every node's types match its op's shape rule."""
+        defined: dict[str, Value] = {}
+
+        def define(v: Value):
+            if v.name in defined:
+                raise ValueError(f"value %{v.name} defined twice")
+            defined[v.name] = v
+
+        for v in self.inputs + self.consts + self.params:
+            define(v)
+        for layer in self.layers:
+            for p in layer.params:
+                define(p)
+            for n in layer.nodes:
+                if n.op not in opset.OPS:
+                    raise ValueError(f"unknown op {n.op!r} (not in the h2ir op set)")
+                for v in n.input_values():
+                    if defined.get(v.name) is not v:
+                        raise ValueError(f"%{v.name} used by {n.op} before it is defined")
+                check_node_types(n)
+                for v in n.outputs:
+                    define(v)
+        for v in self.outputs:
+            if defined.get(v.name) is not v:
+                raise ValueError(f"output %{v.name} is not defined")
+
+    # ---- costs -------------------------------------------------------------------------------
+    def layer_costs(self) -> ModelCosts:
+        """Per-layer costs for the planner (see h2ir/costs.py for what each figure means)."""
+        producer: dict[int, Node] = {}
+        for n in self.nodes():
+            for v in n.outputs:
+                producer[id(v)] = n
+        not_activation = {id(v) for v in self.all_params() + self.consts}
+
+        def storage(v: Value) -> Value:
+            # A view saved for backward keeps its base alive, not a new buffer.
+            while id(v) in producer and producer[id(v)].op in VIEW_OPS:
+                v = producer[id(v)].inputs[0]
+            return v
+
+        # last layer index that reads each value
+        last_use: dict[int, int] = {}
+        for li, layer in enumerate(self.layers):
+            for n in layer.nodes:
+                for v in n.input_values():
+                    last_use[id(v)] = li
+        for v in self.outputs:
+            last_use[id(v)] = len(self.layers)
+
+        layers = []
+        live: dict[int, Value] = {id(v): v for v in self.inputs}
+        for li, layer in enumerate(self.layers):
+            fwd = bwd = 0
+            saved: dict[int, Value] = {}
+            for n in layer.nodes:
+                ins = [v.type if isinstance(v, Value) else v for v in n.inputs]
+                outs = [v.type for v in n.outputs]
+                f = n.opdef.flops(ins, outs, n.attrs)
+                fwd += f
+                bwd += int(f * n.opdef.bwd_factor)
+                for s in n.opdef.saves:
+                    idx = int(s[1:])
+                    src = n.inputs if s[0] == "i" else n.outputs
+                    if idx < len(src) and isinstance(src[idx], Value):
+                        base = storage(src[idx])
+                        if id(base) not in not_activation:
+                            saved[id(base)] = base
+                for v in n.outputs:
+                    live[id(v)] = v
+            crossing = [v for k, v in live.items() if last_use.get(k, -1) > li]
+            live = {id(v): v for v in crossing}
+            params = sum(p.type.numel for p in layer.params)
+            moe = None
+            if layer.kind == "moe_block":
+                a = layer.attrs
+                moe = MoEInfo(num_experts=a["experts"], top_k=a["top_k"], d_model=a["d_model"],
+                              d_ffn=a["d_ffn"], expert_params=a["expert_params"])
+            layers.append(LayerCost(
+                name=layer.name, kind=layer.kind, params=params,
+                param_bytes=sum(p.type.nbytes for p in layer.params),
+                fwd_flops=fwd, bwd_flops=bwd,
+                act_saved_bytes=sum(v.type.nbytes for v in saved.values()),
+                out_bytes=sum(v.type.nbytes for v in crossing), moe=moe))
+        a = self.attrs
+        return ModelCosts(model=self.name, micro_batch=a.get("micro_batch", 1),
+                          seq_len=a.get("seq_len", 0), layers=tuple(layers),
+                          d_model=a.get("d_model", 0), n_heads=a.get("n_heads", 0),
+                          vocab=a.get("vocab", 0), dtype_bytes=a.get("dtype_bytes", 4))
+
+
+def infer_types(op: str, inputs: list, attrs: dict) -> list[TensorType]:
+    """Output types of `op` on `inputs` (Values or scalars) by the op set's shape rule."""
+    d = opset.get(op)
+    full = {k: v for k, v in d.attrs.items()}
+    full.update(attrs)
+    missing = [k for k, v in full.items() if v is opset.REQUIRED]
+    if missing:
+        raise ValueError(f"{op}: missing attribute(s) {', '.join(missing)}")
+    unknown = set(attrs) - set(d.attrs)
+    if unknown:
+        raise ValueError(f"{op}: unknown attribute(s) {', '.join(sorted(unknown))}")
+    ins = [v.type if isinstance(v, Value) else v for v in inputs]
+    if not d.variadic and len(ins) != len(d.inputs):
+        raise ValueError(f"{op} takes {len(d.inputs)} input(s) ({', '.join(d.inputs)}), got {len(ins)}")
+    return d.infer(ins, full)
+
+
+def check_node_types(n: Node) -> None:
+    try:
+        want = infer_types(n.op, n.inputs, n.attrs)
+    except (ValueError, IndexError, TypeError, KeyError) as e:
+        raise ValueError(f"{n.op}: {e}") from None
+    got = [v.type for v in n.outputs]
+    if want != got:
+        raise ValueError(f"{n.op}: declared result type(s) {', '.join(map(str, got))} but the op set "
+                         f"gives {', '.join(map(str, want))}")
+
+
+def full_attrs(node: Node) -> dict:
+    """The node's attributes with the op's defaults filled in (what kernels receive)."""
+    a = {k: v for k, v in node.opdef.attrs.items()}
+    a.update(node.attrs)
+    return a

@@ -1,0 +1,437 @@
+"""The standardized op set: every op h2ir knows, with its signature, shape/dtype rule and cost rule.
+
+In the spirit of DIOPI (H2, arXiv 2505.17548, Sec. 3.1): one vendor-neutral list of operators;
+a backend is a table from these names to kernels, so a missing kernel is detectable before a run
+(`missing_ops`). Ops are grouped (as tinygrad's GroupOp) so passes ask "is this a movement op",
+not long if-chains of names.
+
+Conventions
+- Inputs are values (tensors) or scalar literals; attributes are keyword literals.
+- Shapes follow NumPy broadcasting; dims may be negative (normalised by the rule).
+- Costs: `flops` counts multiply-adds as 2 FLOPs (matmul/attention use
+  torch.utils.flop_counter's formulas); elementwise ops count one FLOP per output element.
+  `bytes` is the data an op reads and writes (views move nothing).
+- `saves` names what the op's backward needs (inputs 'i0', 'i1', ... or outputs 'o0', ...):
+  the activation-memory model sums these per layer. `bwd_factor` is backward FLOPs / forward FLOPs
+  (matmul: two matmuls of the same size; attention: 2.5x, FlashAttention-2, Dao 2023, Sec. 3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from h2ir.types import TensorType, broadcast_shapes, DTYPES
+
+
+class Group(str, Enum):
+    UNARY = "unary"            # elementwise, one tensor in
+    BINARY = "binary"          # elementwise with broadcasting, two operands (tensor or scalar)
+    TERNARY = "ternary"
+    REDUCE = "reduce"
+    MOVEMENT = "movement"      # reshape/permute/slice...: no arithmetic
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    INDEX = "index"            # embedding, gather, scatter
+    NN = "nn"                  # softmax-like composite kernels
+    LOSS = "loss"
+    GRAD = "grad"              # fused backward kernels appearing in backward programs
+    CREATION = "creation"
+    COMM = "comm"              # send/recv/all_reduce/all_to_all as first-class graph nodes
+    MOE = "moe"                # token dispatch/combine of an expert-parallel region
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    group: Group
+    inputs: tuple[str, ...]              # input names; a trailing '*' name is variadic
+    attrs: dict = field(default_factory=dict)   # attr name -> default (REQUIRED if none)
+    infer: Callable = None               # (ins: list[TensorType|scalar], attrs) -> list[TensorType]
+    flops: Callable = None               # (ins, outs, attrs) -> int
+    saves: tuple[str, ...] = ()
+    bwd_factor: float = 1.0
+    doc: str = ""
+
+    @property
+    def variadic(self) -> bool:
+        return bool(self.inputs) and self.inputs[-1].endswith("*")
+
+    def bytes(self, ins, outs) -> int:
+        if self.group is Group.MOVEMENT:
+            return 0
+        return sum(t.nbytes for t in ins if isinstance(t, TensorType)) + sum(t.nbytes for t in outs)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _op(name, group, inputs, attrs=None, infer=None, flops=None, saves=(), bwd_factor=1.0, doc=""):
+    OPS[name] = OpDef(name, group, tuple(inputs), dict(attrs or {}), infer, flops, tuple(saves),
+                      bwd_factor, doc)
+
+
+# ---- shape rules ---------------------------------------------------------------------------------
+
+def _tensors(ins):
+    return [t for t in ins if isinstance(t, TensorType)]
+
+
+def _dim(d: int, rank: int) -> int:
+    if not -rank <= d < max(rank, 1):
+        raise ValueError(f"dim {d} out of range for rank {rank}")
+    return d % rank if rank else 0
+
+
+def _same(ins, a):
+    return [_tensors(ins)[0]]
+
+
+def _elementwise(ins, a):
+    ts = _tensors(ins)
+    shape = ts[0].shape
+    for t in ts[1:]:
+        shape = broadcast_shapes(shape, t.shape)
+    dtype = ts[0].dtype
+    for t in ts[1:]:
+        if t.dtype != dtype and t.shape != ():
+            raise ValueError(f"dtype mismatch {dtype} vs {t.dtype}")
+    return [TensorType(dtype, shape)]
+
+
+def _compare(ins, a):
+    return [TensorType("bool", _elementwise(ins, a)[0].shape)]
+
+
+def _where(ins, a):
+    ts = _tensors(ins)
+    shape = ts[0].shape
+    for t in ts[1:]:
+        shape = broadcast_shapes(shape, t.shape)
+    vals = [t for t in ins[1:] if isinstance(t, TensorType)]
+    return [TensorType(vals[0].dtype if vals else "f32", shape)]
+
+
+def _reduce(ins, a):
+    x = ins[0]
+    dims = {_dim(d, x.rank) for d in (a["dims"] if a["dims"] is not None else range(x.rank))}
+    if a["keepdim"]:
+        shape = tuple(1 if i in dims else s for i, s in enumerate(x.shape))
+    else:
+        shape = tuple(s for i, s in enumerate(x.shape) if i not in dims)
+    return [TensorType(x.dtype, shape)]
+
+
+def _reshape(ins, a):
+    x, shape = ins[0], list(a["shape"])
+    if shape.count(-1) > 1:
+        raise ValueError("at most one -1 in reshape")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = x.numel // known if known else 0
+    if math.prod(shape) != x.numel:
+        raise ValueError(f"cannot reshape {list(x.shape)} to {list(a['shape'])}")
+    return [TensorType(x.dtype, tuple(shape))]
+
+
+def _permute(ins, a):
+    x = ins[0]
+    dims = [_dim(d, x.rank) for d in a["dims"]]
+    if sorted(dims) != list(range(x.rank)):
+        raise ValueError(f"permute dims {a['dims']} are not a permutation of rank {x.rank}")
+    return [TensorType(x.dtype, tuple(x.shape[d] for d in dims))]
+
+
+def _transpose(ins, a):
+    x = ins[0]
+    d0, d1 = _dim(a["dim0"], x.rank), _dim(a["dim1"], x.rank)
+    s = list(x.shape)
+    s[d0], s[d1] = s[d1], s[d0]
+    return [TensorType(x.dtype, tuple(s))]
+
+
+def _expand(ins, a):
+    x, shape = ins[0], list(a["shape"])
+    off = len(shape) - x.rank
+    out = [x.shape[i - off] if s == -1 else s for i, s in enumerate(shape)]
+    for i in range(x.rank):
+        if x.shape[i] not in (1, out[i + off]):
+            raise ValueError(f"cannot expand {list(x.shape)} to {shape}")
+    return [TensorType(x.dtype, tuple(out))]
+
+
+def _slice_bounds(size, start, end, step):
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    return start, end, step
+
+
+def _slice(ins, a):
+    x = ins[0]
+    d = _dim(a["dim"], x.rank)
+    start, end, step = _slice_bounds(x.shape[d], a["start"], a["end"], a["step"])
+    s = list(x.shape)
+    s[d] = max(0, (end - start + step - 1) // step)
+    return [TensorType(x.dtype, tuple(s))]
+
+
+def _select(ins, a):
+    x = ins[0]
+    d = _dim(a["dim"], x.rank)
+    return [TensorType(x.dtype, x.shape[:d] + x.shape[d + 1:])]
+
+
+def _cat(ins, a):
+    ts = _tensors(ins)
+    d = _dim(a["dim"], ts[0].rank)
+    s = list(ts[0].shape)
+    s[d] = sum(t.shape[d] for t in ts)
+    return [TensorType(ts[0].dtype, tuple(s))]
+
+
+def _split(ins, a):
+    x = ins[0]
+    d = _dim(a["dim"], x.rank)
+    outs = []
+    for n in a["sizes"]:
+        s = list(x.shape)
+        s[d] = n
+        outs.append(TensorType(x.dtype, tuple(s)))
+    if sum(a["sizes"]) != x.shape[d]:
+        raise ValueError(f"split sizes {a['sizes']} do not sum to {x.shape[d]}")
+    return outs
+
+
+def _mm(ins, a):
+    x, y = ins
+    if x.rank != 2 or y.rank != 2 or x.shape[1] != y.shape[0]:
+        raise ValueError(f"mm of {list(x.shape)} and {list(y.shape)}")
+    return [TensorType(x.dtype, (x.shape[0], y.shape[1]))]
+
+
+def _bmm(ins, a):
+    x, y = ins
+    if x.rank != 3 or y.rank != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[1]:
+        raise ValueError(f"bmm of {list(x.shape)} and {list(y.shape)}")
+    return [TensorType(x.dtype, (x.shape[0], x.shape[1], y.shape[2]))]
+
+
+def _attention(ins, a):
+    q, k, v = ins[:3]
+    b, h, s, _ = q.shape
+    return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],)), TensorType("f32", (b, h, s))]
+
+
+def _attention_bwd(ins, a):
+    return [ins[1], ins[2], ins[3]]
+
+
+def _embedding(ins, a):
+    w, ids = ins
+    return [TensorType(w.dtype, ids.shape + (w.shape[1],))]
+
+
+def _embedding_bwd(ins, a):
+    g = ins[0]
+    return [TensorType(g.dtype, (a["num_weights"], g.shape[-1]))]
+
+
+def _nll_loss(ins, a):
+    logp = ins[0]
+    shape = () if a["reduction"] != "none" else logp.shape[:1]
+    return [TensorType(logp.dtype, shape), TensorType(logp.dtype, ())]
+
+
+def _nll_loss_bwd(ins, a):
+    return [ins[1]]
+
+
+def _cast(ins, a):
+    if a["dtype"] not in DTYPES:
+        raise ValueError(f"unknown dtype {a['dtype']}")
+    return [TensorType(a["dtype"], ins[0].shape)]
+
+
+def _full(ins, a):
+    return [TensorType(a["dtype"], tuple(a["shape"]))]
+
+
+def _topk(ins, a):
+    x = ins[0]
+    d = _dim(a["dim"], x.rank)
+    s = list(x.shape)
+    s[d] = a["k"]
+    return [TensorType(x.dtype, tuple(s)), TensorType("i64", tuple(s))]
+
+
+def _one_hot(ins, a):
+    return [TensorType("i64", ins[0].shape + (a["num_classes"],))]
+
+
+def _tril(ins, a):
+    return [ins[0]]
+
+
+def _arange(ins, a):
+    return [TensorType(a["dtype"], (len(range(a["start"], a["end"], a["step"])),))]
+
+
+# ---- cost rules ----------------------------------------------------------------------------------
+
+def _numel_out(ins, outs, a):
+    return sum(t.numel for t in outs)
+
+
+def _numel_in(ins, outs, a):
+    return _tensors(ins)[0].numel
+
+
+def _zero(ins, outs, a):
+    return 0
+
+
+def _mm_flops(ins, outs, a):
+    from torch.utils.flop_counter import mm_flop
+    return int(mm_flop(ins[0].shape, ins[1].shape))
+
+
+def _bmm_flops(ins, outs, a):
+    from torch.utils.flop_counter import bmm_flop
+    return int(bmm_flop(ins[0].shape, ins[1].shape))
+
+
+def _attention_flops(ins, outs, a):
+    from torch.utils.flop_counter import sdpa_flop_count
+    return int(sdpa_flop_count(ins[0].shape, ins[1].shape, ins[2].shape))
+
+
+def _attention_bwd_flops(ins, outs, a):
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return int(sdpa_backward_flop_count(ins[0].shape, ins[1].shape, ins[2].shape, ins[3].shape))
+
+
+def _softmax_flops(ins, outs, a):
+    return 5 * outs[0].numel     # max, sub, exp, sum, div
+
+
+# ---- the op set ----------------------------------------------------------------------------------
+
+for _n, _s, _d in [
+    ("neg", (), "-x"), ("exp", ("o0",), "e^x"), ("log", ("i0",), "ln x"), ("sqrt", ("o0",), "sqrt x"),
+    ("rsqrt", ("o0",), "1/sqrt x"), ("tanh", ("o0",), "tanh x"), ("sigmoid", ("o0",), "1/(1+e^-x)"),
+    ("relu", ("o0",), "max(x, 0)"), ("silu", ("i0",), "x * sigmoid(x)"),
+    ("gelu", ("i0",), "x * Phi(x) (erf form)"), ("abs", ("i0",), "|x|"),
+    ("reciprocal", ("o0",), "1/x"), ("sin", ("i0",), "sin x"), ("cos", ("i0",), "cos x"),
+    ("logical_not", (), "not x"),
+]:
+    _op(_n, Group.UNARY, ["x"], infer=_same, flops=_numel_out, saves=_s, doc=_d)
+_op("copy", Group.UNARY, ["x"], infer=_same, flops=_zero, doc="a fresh copy of x")
+_op("cast", Group.UNARY, ["x"], {"dtype": REQUIRED}, infer=_cast, flops=_zero, doc="convert dtype")
+_op("pow", Group.UNARY, ["x"], {"exponent": REQUIRED}, infer=_same, flops=_numel_out, saves=("i0",),
+    doc="x ** exponent")
+
+for _n, _s, _d in [
+    ("add", (), "a + b"), ("sub", (), "a - b"), ("mul", ("i0", "i1"), "a * b"),
+    ("div", ("i0", "i1"), "a / b"), ("maximum", ("i0", "i1"), "max(a, b)"),
+    ("minimum", ("i0", "i1"), "min(a, b)"),
+]:
+    _op(_n, Group.BINARY, ["a", "b"], infer=_elementwise, flops=_numel_out, saves=_s, doc=_d)
+for _n in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or"):
+    _op(_n, Group.BINARY, ["a", "b"], infer=_compare, flops=_numel_out, doc=f"elementwise {_n}")
+_op("where", Group.TERNARY, ["cond", "a", "b"], infer=_where, flops=_numel_out, saves=("i0",),
+    doc="cond ? a : b")
+
+for _n in ("sum", "mean", "amax", "amin"):
+    _op(_n, Group.REDUCE, ["x"], {"dims": None, "keepdim": False}, infer=_reduce, flops=_numel_in,
+        doc=f"{_n} over dims (None: all)")
+
+_op("reshape", Group.MOVEMENT, ["x"], {"shape": REQUIRED}, infer=_reshape, flops=_zero)
+_op("permute", Group.MOVEMENT, ["x"], {"dims": REQUIRED}, infer=_permute, flops=_zero)
+_op("transpose", Group.MOVEMENT, ["x"], {"dim0": REQUIRED, "dim1": REQUIRED}, infer=_transpose,
+    flops=_zero)
+_op("expand", Group.MOVEMENT, ["x"], {"shape": REQUIRED}, infer=_expand, flops=_zero)
+_op("slice", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "start": None, "end": None, "step": 1},
+    infer=_slice, flops=_zero)
+_op("select", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "index": REQUIRED}, infer=_select, flops=_zero)
+_op("cat", Group.MOVEMENT, ["xs*"], {"dim": 0}, infer=_cat, flops=_zero, doc="concatenate along dim")
+_op("split", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "sizes": REQUIRED}, infer=_split, flops=_zero,
+    doc="split into pieces of the given sizes (one output each)")
+
+_op("mm", Group.MATMUL, ["a", "b"], infer=_mm, flops=_mm_flops, saves=("i0", "i1"), bwd_factor=2.0,
+    doc="[m,k] @ [k,n]")
+_op("bmm", Group.MATMUL, ["a", "b"], infer=_bmm, flops=_bmm_flops, saves=("i0", "i1"), bwd_factor=2.0,
+    doc="[b,m,k] @ [b,k,n]")
+_op("attention", Group.ATTENTION, ["q", "k", "v"], {"causal": False, "scale": None}, infer=_attention,
+    flops=_attention_flops, saves=("i0", "i1", "i2", "o0", "o1"), bwd_factor=2.5,
+    doc="softmax(q k^T * scale [+ causal mask]) v over [b,h,s,d]; outputs (out, logsumexp)")
+
+_op("softmax", Group.NN, ["x"], {"dim": REQUIRED}, infer=_same, flops=_softmax_flops, saves=("o0",))
+_op("log_softmax", Group.NN, ["x"], {"dim": REQUIRED}, infer=_same, flops=_softmax_flops,
+    saves=("o0",))
+_op("tril", Group.NN, ["x"], {"diagonal": 0}, infer=_tril, flops=_zero, doc="lower triangle, rest 0")
+_op("topk", Group.NN, ["x"], {"k": REQUIRED, "dim": -1}, infer=_topk, flops=_numel_in,
+    doc="(values, indices) of the k largest along dim, largest first")
+_op("one_hot", Group.NN, ["ids"], {"num_classes": REQUIRED}, infer=_one_hot, flops=_zero)
+
+_op("embedding", Group.INDEX, ["weight", "ids"], infer=_embedding, flops=_zero, saves=("i1",),
+    doc="weight[ids]")
+_op("nll_loss", Group.LOSS, ["logp", "target"], {"reduction": "mean", "ignore_index": -100},
+    infer=_nll_loss, flops=_numel_in, saves=("i1", "o1"),
+    doc="negative log-likelihood over the last dim; outputs (loss, total_weight)")
+
+_op("full", Group.CREATION, [], {"shape": REQUIRED, "value": REQUIRED, "dtype": "f32"}, infer=_full,
+    flops=_zero)
+_op("arange", Group.CREATION, [], {"start": 0, "end": REQUIRED, "step": 1, "dtype": "i64"},
+    infer=_arange, flops=_zero)
+
+# Fused backward kernels that AOTAutograd emits (so backends can implement them natively).
+_op("silu_bwd", Group.GRAD, ["grad", "x"], infer=lambda i, a: [i[0]], flops=_numel_out,
+    doc="grad * d silu(x)/dx")
+_op("softmax_bwd", Group.GRAD, ["grad", "out"], {"dim": REQUIRED}, infer=lambda i, a: [i[0]],
+    flops=_numel_out)
+_op("log_softmax_bwd", Group.GRAD, ["grad", "out"], {"dim": REQUIRED}, infer=lambda i, a: [i[0]],
+    flops=_numel_out)
+_op("attention_bwd", Group.GRAD, ["grad", "q", "k", "v", "out", "lse"], {"causal": False, "scale": None},
+    infer=_attention_bwd, flops=_attention_bwd_flops, doc="(grad_q, grad_k, grad_v)")
+_op("embedding_bwd", Group.GRAD, ["grad", "ids"], {"num_weights": REQUIRED}, infer=_embedding_bwd,
+    flops=lambda i, o, a: i[0].numel, doc="scatter-add of grad rows into a [num_weights, d] table")
+_op("nll_loss_bwd", Group.GRAD, ["grad", "logp", "target", "total_weight"],
+    {"reduction": "mean", "ignore_index": -100}, infer=_nll_loss_bwd, flops=_numel_out)
+
+# Communication as graph nodes: what a stage program does at its edges when collectives are
+# fused into programs (tensor/expert parallelism on the roadmap). Shape-preserving.
+_op("send", Group.COMM, ["x"], {"peer": REQUIRED, "tag": ""}, infer=lambda i, a: [], flops=_zero)
+_op("recv", Group.COMM, [], {"peer": REQUIRED, "tag": "", "dtype": "f32", "shape": REQUIRED},
+    infer=_full, flops=_zero)
+_op("all_reduce", Group.COMM, ["x"], {"group": REQUIRED, "op": "sum"}, infer=_same, flops=_zero)
+_op("all_to_all", Group.COMM, ["x"], {"group": REQUIRED, "split_dim": 0}, infer=_same, flops=_zero)
+
+# MoE region boundaries (Piper, arXiv 2605.05049): tokens leave for their experts and come back.
+_op("moe_dispatch", Group.MOE, ["x", "expert_ids"], {"num_experts": REQUIRED, "capacity": REQUIRED},
+    infer=lambda i, a: [TensorType(i[0].dtype, (a["num_experts"], a["capacity"], i[0].shape[-1]))],
+    flops=_zero, doc="gather tokens into [experts, capacity, d] buffers")
+_op("moe_combine", Group.MOE, ["y", "expert_ids", "weights"], {"tokens": REQUIRED},
+    infer=lambda i, a: [TensorType(i[0].dtype, (a["tokens"], i[0].shape[-1]))], flops=_numel_out,
+    doc="weighted sum of expert outputs back into token order")
+
+
+def get(name: str) -> OpDef:
+    return OPS[name]
+
+
+def in_group(name: str, *groups: Group) -> bool:
+    return OPS[name].group in groups
+
+
+def missing_ops(used: set[str], implemented: set[str]) -> set[str]:
+    """Ops a program uses that a backend lacks (a backend is a table over this op set)."""
+    return set(used) - set(implemented)

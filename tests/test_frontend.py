@@ -1,0 +1,138 @@
+"""Frontend: fx capture on the meta device, layer grouping, FLOPs cross-checked with torch."""
+import json
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import ROOT, run_cli
+from frontend.capture import capture, load_model_file
+
+
+def _matmul_flops(layer):
+    from h2ir.graph import Value
+    total = 0
+    for n in layer.nodes:
+        if n.op in ("mm", "bmm", "attention"):
+            ins = [v.type if isinstance(v, Value) else v for v in n.inputs]
+            total += n.opdef.flops(ins, [v.type for v in n.outputs], n.attrs)
+    return total
+
+
+def test_flops_agree_with_torch_flop_counter():
+    mf = load_model_file(str(ROOT / "examples/llama_tiny.py"))
+    with torch.device("meta"):
+        model = mf.build({"n_layers": 2})
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as fcm:
+        model(tokens)
+    counts = fcm.get_flop_counts()
+    g = capture(str(ROOT / "examples/llama_tiny.py"), {"n_layers": 2}, 2, 32, model=model)
+    for i in range(2):
+        assert _matmul_flops(g.layer(f"block.{i}")) == sum(counts[f"Llama.layers.{i}"].values())
+    assert _matmul_flops(g.layer("head")) == sum(counts["Llama.head"].values())
+    assert sum(_matmul_flops(l) for l in g.layers) == fcm.get_total_flops()
+
+
+def test_layers_of_tiny_model(tiny_graph):
+    names = [l.name for l in tiny_graph.layers]
+    assert names == ["embed", "block.0", "block.1", "head"]
+    costs = tiny_graph.layer_costs()
+    # params per layer equal the model's own modules
+    mf = load_model_file(str(ROOT / "examples/llama_tiny.py"))
+    model = mf.build({"n_layers": 2})
+    assert costs.layer("block.0").params == sum(p.numel() for p in model.layers[0].parameters())
+    assert costs.layer("head").params == sum(p.numel() for p in model.head.parameters()) + \
+        sum(p.numel() for p in model.norm.parameters())
+    assert costs.total_params == sum(p.numel() for p in model.parameters())
+    # the block output crossing a boundary is [2,32,256] f32
+    assert costs.layer("block.0").out_bytes == 2 * 32 * 256 * 4
+
+
+def test_moe_layers_are_marked():
+    g = capture(str(ROOT / "examples/moe_tiny.py"), {"n_layers": 2}, 1, 16)
+    kinds = [l.kind for l in g.layers]
+    assert kinds == ["embedding", "moe_block", "moe_block", "head"]
+    moe = g.layer_costs().layer("block.0").moe
+    assert (moe.num_experts, moe.top_k, moe.d_model, moe.d_ffn) == (4, 2, 128, 256)
+
+
+def test_transformers_llama_traces_with_layer_grouping():
+    pytest.importorskip("transformers")
+    path = str(ROOT / "tests/hf_llama_model.py")
+    g = capture(path, {"layers": 3}, 1, 16)
+    assert [l.name for l in g.layers] == ["embed", "block.0", "block.1", "block.2", "head"]
+    assert all(l.kind == "transformer_block" for l in g.layers[1:-1])
+    model = load_model_file(path).build({"layers": 3})
+    blocks = model.lm.model.layers
+    costs = g.layer_costs()
+    for i in range(3):
+        assert costs.layer(f"block.{i}").params == sum(p.numel() for p in blocks[i].parameters())
+        assert any(n.op == "attention" for n in g.layer(f"block.{i}").nodes)
+    assert costs.total_params == sum(p.numel() for p in model.parameters())
+
+
+UNSUPPORTED = '''
+import torch
+import torch.nn as nn
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 16)
+    def forward(self, tokens):
+        return self.proj(torch.cumsum(self.emb(tokens), dim=1))
+
+def build_model():
+    return Odd()
+'''
+
+
+def test_unsupported_op_is_a_clean_error(tmp_path):
+    f = tmp_path / "odd_model.py"
+    f.write_text(UNSUPPORTED)
+    r = run_cli("h2c", "ir", str(f), "--seq-len", "8")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "cumsum" in r.stderr and str(f) in r.stderr
+    assert "odd_model.py:11" in r.stderr      # the source line of the offending call
+
+
+def test_bad_model_files_are_clean_errors(tmp_path):
+    f = tmp_path / "broken.py"
+    f.write_text("def build_model(:\n")
+    r = run_cli("h2c", "ir", str(f))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "broken.py:1" in r.stderr
+    g = tmp_path / "nobuild.py"
+    g.write_text("x = 1\n")
+    r = run_cli("h2c", "ir", str(g))
+    assert r.returncode == 2 and "build_model" in r.stderr
+
+
+def test_cli_ir_file_round_trip(tmp_path):
+    out = tmp_path / "tiny.h2ir"
+    r = run_cli("h2c", "ir", "examples/llama_tiny.py", "--arg", "n_layers=2", "--seq-len", "16",
+                "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    r2 = run_cli("h2c", "ir", str(out))
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout == out.read_text()
+
+
+def test_llama_100b_summary_json():
+    """H2's evaluation model: 96 blocks + embed + head, 113.27 B params, ~1e13 FLOPs per block."""
+    import resource
+    r = run_cli("h2c", "ir", "examples/llama_100b.py", "--summary", "--json", "--seq-len", "4096",
+                "--micro-batch", "1")
+    assert r.returncode == 0, r.stderr
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    d = json.loads(r.stdout)
+    kinds = [l["kind"] for l in d["layers"]]
+    assert kinds.count("transformer_block") == 96
+    assert kinds[0] == "embedding" and kinds[-1] == "head"
+    assert abs(d["total_params"] - 113.27e9) / 113.27e9 < 0.005
+    for l in d["layers"][1:-1]:
+        assert 9.6e12 <= l["fwd_flops"] <= 1.03e13
+    assert peak < 4 * 2**30
