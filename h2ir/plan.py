@@ -30,7 +30,8 @@ class StagePlan:
     layers: list[str]
     tp: int = 1
     recompute: str = "none"
-    line: int = 0                    # source line in the .h2plan file (0: not from a file)
+    # source line in the .h2plan file (0: not from a file); not part of the plan's meaning
+    line: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class MoEPlan:
     a2a: str = "flat"
     migration: str = "none"
     migration_every: int = 0         # steps between migrations when migration == 'periodic'
-    line: int = 0
+    line: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Plan:
     schedule: str = "1f1b"
     moe: MoEPlan | None = None
     source: str | None = field(default=None, compare=False)   # file the plan came from
+    # where each statement/option was written: 'batch', 'dp', 'stage.2', 'stage.2.tp', 'moe.ep', ...
+    # -> (line, column); filled by h2ir/plandsl.py so validation errors can point at the text
+    locations: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:

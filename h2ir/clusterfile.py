@@ -1,0 +1,430 @@
+"""Cluster description files: TOML text -> `h2ir.cluster.Cluster`, plus the built-in chip catalog.
+
+A cluster file declares chip types (optionally starting from a catalog entry, `base = "H800"`,
+with per-field overrides) and groups of identical nodes. docs/clusters.md is the reference;
+in short:
+
+    name  = "h2-1024"                 # optional, defaults to the file name
+    dtype = "bf16"                    # compute dtype plans are costed for (default bf16)
+
+    [chips.Chip-A]
+    base        = "H800"              # catalog entry (h2ir/catalog/chips.toml); optional
+    mem_gib     = 64                  # any field may be overridden
+    peak_tflops = { bf16 = 900 }      # merged per dtype with the base's table
+
+    [[nodes]]
+    chip           = "Chip-A"         # a [chips] name, or a catalog name used as is
+    count          = 32               # nodes in this group
+    chips_per_node = 8
+    intra_bw_gbs   = 200              # chip-to-chip inside a node, GB/s per direction
+    nics_per_node  = 4                # chips_per_node / nics_per_node chips share one NIC
+    nic_gbps       = 200              # per NIC, Gbit/s (as NICs are sold)
+
+Units in the file are the ones datasheets use (TFLOP/s, GiB, GB/s, Gbit/s, microseconds); the
+`Cluster` holds SI base units (FLOP/s, bytes, B/s, s), as h2ir/cluster.py documents.
+
+Every error is an H2Error naming the file, the line (tomllib's for syntax errors; for schema
+errors the line of the offending key, found by scanning the text) and the key path, e.g.
+`h2-1024.toml:14: error: chips.Chip-A.mem_gib: expected a positive number (GiB), got "lots"`.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import re
+import tomllib
+from pathlib import Path
+
+from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.errors import H2Error
+
+CATALOG_PATH = Path(__file__).resolve().parent / "catalog" / "chips.toml"
+# Built-in clusters live in the repository's examples/clusters; with `pip install -e .` the
+# package directory is the repository's h2ir/, so this path resolves there.
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+
+GIB = 2 ** 30
+
+_TOP_KEYS = ("name", "dtype", "chips", "nodes")
+_CHIP_KEYS = ("base", "vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs", "efficiency",
+              "price_per_hour", "power_w", "measured")
+_CATALOG_KEYS = tuple(k for k in _CHIP_KEYS if k != "base")
+_REQUIRED_CHIP_KEYS = ("vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs")
+_NODE_KEYS = ("chip", "count", "chips_per_node", "intra_bw_gbs", "nics_per_node", "nic_gbps",
+              "intra_latency_us", "inter_latency_us")
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+def load_cluster(path_or_name: str | Path) -> Cluster:
+    """Load a cluster from a .toml path, or a built-in name (`local`, `local-mixed`, `h2-768`,
+    `h2-1024`: the files in examples/clusters)."""
+    path = _resolve(path_or_name)
+    try:
+        text = path.read_text(encoding="utf-8-sig")   # tolerate a BOM
+    except OSError as e:
+        raise H2Error(f"cannot read cluster file: {e.strerror}", file=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise H2Error(f"cluster file is not UTF-8 text ({e.reason} at byte {e.start})",
+                      file=str(path)) from None
+    return parse_cluster(text, file=str(path), default_name=path.stem)
+
+
+def parse_cluster(text: str, file: str = "<string>", default_name: str | None = None) -> Cluster:
+    """Parse cluster TOML text (see the module docstring for the schema)."""
+    doc = _parse_toml(text, file)
+    r = _Reader(file, text)
+    r.only_keys(doc, (), _TOP_KEYS, "top-level key")
+    name = r.string(doc, ("name",), required=False)
+    if name is None:
+        name = default_name or Path(file).stem
+    dtype = r.string(doc, ("dtype",), required=False) or "bf16"
+
+    chips_table = r.table(doc, ("chips",), required=False) or {}
+    chip_types: dict[str, ChipType] = {}
+    for chip_name, spec in chips_table.items():
+        path = ("chips", chip_name)
+        if not isinstance(spec, dict):
+            r.fail(path, f"expected a table [chips.{chip_name}], got {_describe(spec)}")
+        chip_types[chip_name] = _chip_from_table(r, chip_name, spec, path)
+
+    nodes = doc.get("nodes")
+    if nodes is None:
+        r.fail((), "missing [[nodes]]: a cluster needs at least one node group")
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) for n in nodes):
+        r.fail(("nodes",), f"expected one or more [[nodes]] tables, got {_describe(nodes)}")
+    groups = []
+    for i, node in enumerate(nodes):
+        groups.append(_node_group(r, node, ("nodes", i), chip_types))
+
+    for chip_name, chip in chip_types.items():
+        if dtype not in chip.peak_flops:
+            r.fail(("chips", chip_name, "peak_tflops"),
+                   f"no peak for the cluster's dtype '{dtype}' (has "
+                   f"{', '.join(sorted(chip.peak_flops)) or 'none'}); add peak_tflops.{dtype}")
+    return Cluster(name=name, chip_types=chip_types, groups=tuple(groups), dtype=dtype,
+                   source=file)
+
+
+def builtin_clusters() -> list[str]:
+    """Names `load_cluster` accepts without a path."""
+    if not BUILTIN_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def catalog_names() -> list[str]:
+    return list(_catalog())
+
+
+def catalog_chip(name: str) -> ChipType:
+    """The catalog entry `name` as a ChipType (H2Error if unknown or missing a figure)."""
+    entries = _catalog()
+    if name not in entries:
+        raise H2Error(f"unknown catalog chip '{name}'", file=str(CATALOG_PATH),
+                      hint=_suggest(name, entries))
+    fields = dict(entries[name])
+    missing = [k for k in _REQUIRED_CHIP_KEYS if k not in fields]
+    if missing:
+        raise H2Error(f"catalog chip '{name}' has no published {', '.join(missing)}; "
+                      f"define a [chips.<name>] table with base = \"{name}\" and set it",
+                      file=str(CATALOG_PATH))
+    return _make_chip(name, fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# chips and nodes
+
+def _chip_from_table(r: "_Reader", name: str, spec: dict, path: tuple) -> ChipType:
+    r.only_keys(spec, path, _CHIP_KEYS, "chip field")
+    fields: dict = {}
+    base = r.string(spec, path + ("base",), required=False)
+    if base is not None:
+        entries = _catalog()
+        if base not in entries:
+            r.fail(path + ("base",), f"unknown catalog chip '{base}'", hint=_suggest(base, entries))
+        fields = dict(entries[base])
+        fields["peak_tflops"] = dict(fields.get("peak_tflops", {}))
+    overrides = _chip_fields(r, spec, path)
+    peak = overrides.pop("peak_tflops", None)
+    fields.update(overrides)
+    if peak is not None:
+        fields.setdefault("peak_tflops", {}).update(peak)
+    for key in _REQUIRED_CHIP_KEYS:
+        if key not in fields or (key == "peak_tflops" and not fields[key]):
+            why = (f"catalog entry '{base}' has no published figure for it, so set it here"
+                   if base else "set it, or start from a catalog entry with base = \"...\"")
+            r.fail(path + (key,), f"missing ({_UNIT[key]}); {why}")
+    return _make_chip(name, fields)
+
+
+def _chip_fields(r: "_Reader", spec: dict, path: tuple) -> dict:
+    """Type-checked chip fields present in `spec` (file units), without 'base'."""
+    out: dict = {}
+    for key in ("vendor", "backend"):
+        v = r.string(spec, path + (key,), required=False)
+        if v is not None:
+            out[key] = v
+    if "peak_tflops" in spec:
+        peak = r.table(spec, path + ("peak_tflops",), required=True)
+        out["peak_tflops"] = {dt: r.positive(peak, path + ("peak_tflops", dt), "TFLOP/s")
+                              for dt in peak}
+    for key in ("mem_gib", "mem_bw_gbs", "price_per_hour", "power_w"):
+        if key in spec:
+            out[key] = r.positive(spec, path + (key,), _UNIT[key])
+    if "efficiency" in spec:
+        eff = r.positive(spec, path + ("efficiency",), "fraction of peak")
+        if eff > 1:
+            r.fail(path + ("efficiency",), f"expected a fraction of peak in (0, 1], got {eff}")
+        out["efficiency"] = eff
+    if "measured" in spec:
+        out["measured"] = r.boolean(spec, path + ("measured",))
+    return out
+
+
+def _make_chip(name: str, f: dict) -> ChipType:
+    extra = {k: f[k] for k in ("efficiency", "price_per_hour", "power_w", "measured") if k in f}
+    return ChipType(
+        name=name, backend=f["backend"], vendor=f["vendor"],
+        peak_flops={dt: v * 1e12 for dt, v in f["peak_tflops"].items()},
+        mem_bytes=int(f["mem_gib"] * GIB), mem_bw=f["mem_bw_gbs"] * 1e9, **extra)
+
+
+def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> NodeGroup:
+    r.only_keys(node, path, _NODE_KEYS, "node field")
+    chip = r.string(node, path + ("chip",), required=True)
+    if chip not in chip_types:
+        # a catalog name can be used directly when the file does not define it
+        if chip in _catalog():
+            try:
+                chip_types[chip] = catalog_chip(chip)
+            except H2Error as e:
+                r.fail(path + ("chip",), e.message)
+        else:
+            known = list(chip_types) + [c for c in _catalog() if c not in chip_types]
+            r.fail(path + ("chip",), f"unknown chip type '{chip}': not a [chips] table in this "
+                   f"file nor a catalog entry", hint=_suggest(chip, known))
+    kw = dict(
+        chip=chip,
+        nodes=r.count(node, path + ("count",), required=True),
+        chips_per_node=r.count(node, path + ("chips_per_node",), required=True),
+        intra_bw=r.positive(node, path + ("intra_bw_gbs",), "GB/s per direction") * 1e9,
+        nic_bw=r.positive(node, path + ("nic_gbps",), "Gbit/s per NIC") * 1e9 / 8,
+    )
+    if "nics_per_node" in node:
+        kw["nics_per_node"] = r.count(node, path + ("nics_per_node",), required=True)
+    for key, field in (("intra_latency_us", "intra_latency"), ("inter_latency_us", "inter_latency")):
+        if key in node:
+            kw[field] = r.positive(node, path + (key,), "microseconds") * 1e-6
+    return NodeGroup(**kw)
+
+
+_UNIT = {"vendor": "a string", "backend": "op library, e.g. \"torch\"",
+         "peak_tflops": "a table dtype -> TFLOP/s", "mem_gib": "GiB", "mem_bw_gbs": "GB/s",
+         "price_per_hour": "currency units per hour", "power_w": "watts"}
+
+
+@functools.lru_cache(maxsize=1)
+def _catalog() -> dict[str, dict]:
+    """Catalog entries as validated field dicts in file units (may lack unpublished fields)."""
+    file = str(CATALOG_PATH)
+    try:
+        text = CATALOG_PATH.read_text(encoding="utf-8")
+    except OSError as e:
+        raise H2Error(f"cannot read the chip catalog: {e.strerror}", file=file) from None
+    doc = _parse_toml(text, file)
+    r = _Reader(file, text)
+    out = {}
+    for name, spec in doc.items():
+        if not isinstance(spec, dict):
+            r.fail((name,), f"expected a table [{name}], got {_describe(spec)}")
+        r.only_keys(spec, (name,), _CATALOG_KEYS, "catalog field")
+        out[name] = _chip_fields(r, spec, (name,))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading TOML values with located errors
+
+def _parse_toml(text: str, file: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e)
+        line = col = None
+        m = re.search(r"\s*\(at line (\d+), column (\d+)\)\s*$", msg)
+        if m:
+            line, col = int(m[1]), int(m[2])
+            msg = msg[:m.start()]
+        else:
+            m = re.search(r"\s*\(at end of document\)\s*$", msg)
+            if m:
+                line = text.count("\n") + 1
+                msg = msg[:m.start()] + " at end of file"
+        raise H2Error(f"invalid TOML: {msg}", file=file, line=line, col=col) from None
+
+
+class _Reader:
+    """Typed access to a parsed TOML document that reports errors at the key's source line."""
+
+    def __init__(self, file: str, text: str):
+        self.file = file
+        self.lines = _KeyLines(text)
+
+    def fail(self, path: tuple, message: str, hint: str | None = None):
+        where = _path_str(path)
+        raise H2Error(f"{where}: {message}" if where else message, file=self.file,
+                      line=self.lines.line(path), hint=hint)
+
+    def only_keys(self, table: dict, path: tuple, allowed: tuple, what: str):
+        for key in table:
+            if key not in allowed:
+                self.fail(path + (key,), f"unknown {what} '{key}'; expected one of: "
+                          + ", ".join(allowed), hint=_suggest(key, allowed))
+
+    def _get(self, table: dict, path: tuple, required: bool, what: str):
+        key = path[-1]
+        if key not in table:
+            if required:
+                self.fail(path, f"missing (expected {what})")
+            return None
+        return table[key]
+
+    def string(self, table, path, required):
+        v = self._get(table, path, required, "a string")
+        if v is not None and not isinstance(v, str):
+            self.fail(path, f"expected a string, got {_describe(v)}")
+        return v
+
+    def table(self, table, path, required):
+        v = self._get(table, path, required, "a table")
+        if v is not None and not isinstance(v, dict):
+            self.fail(path, f"expected a table, got {_describe(v)}")
+        return v
+
+    def boolean(self, table, path):
+        v = self._get(table, path, True, "true or false")
+        if not isinstance(v, bool):
+            self.fail(path, f"expected true or false, got {_describe(v)}")
+        return v
+
+    def positive(self, table, path, unit):
+        v = self._get(table, path, True, f"a positive number ({unit})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            self.fail(path, f"expected a positive number ({unit}), got {_describe(v)}")
+        return v
+
+    def count(self, table, path, required):
+        v = self._get(table, path, required, "a positive integer")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            self.fail(path, f"expected a positive integer, got {_describe(v)}")
+        return v
+
+
+class _KeyLines:
+    """Source line of each key path, found by scanning the text (tomllib keeps no positions).
+
+    Best effort: table headers, array-of-table headers and `key =` lines; a key inside an inline
+    table or a multi-line value reports the line of the enclosing key."""
+
+    _HEADER_ARRAY = re.compile(r"^\[\[\s*(.+?)\s*\]\]")
+    _HEADER = re.compile(r"^\[\s*(.+?)\s*\]")
+    _KEY = re.compile(r"""^((?:"[^"]*"|'[^']*'|[A-Za-z0-9_\-]+)"""
+                      r"""(?:\s*\.\s*(?:"[^"]*"|'[^']*'|[A-Za-z0-9_\-]+))*)\s*=""")
+
+    def __init__(self, text: str):
+        self.at: dict[tuple, int] = {}
+        arrays: dict[tuple, int] = {}
+        current: tuple = ()
+        for no, raw in enumerate(text.split("\n"), 1):
+            s = raw.strip()
+            if not s or s.startswith("#"):
+                continue
+            m = self._HEADER_ARRAY.match(s)
+            if m:
+                p = _split_key(m[1])
+                arrays[p] = arrays.get(p, -1) + 1
+                current = p + (arrays[p],)
+                self.at.setdefault(current, no)
+                continue
+            m = self._HEADER.match(s)
+            if m:
+                current = _split_key(m[1])
+                self.at.setdefault(current, no)
+                continue
+            m = self._KEY.match(s)
+            if m:
+                self.at.setdefault(current + _split_key(m[1]), no)
+
+    def line(self, path: tuple) -> int | None:
+        p = tuple(path)
+        while p:
+            if p in self.at:
+                return self.at[p]
+            p = p[:-1]
+        return None
+
+
+def _split_key(dotted: str) -> tuple:
+    parts = re.findall(r"""\s*("[^"]*"|'[^']*'|[^.\s]+)\s*(?:\.|$)""", dotted)
+    return tuple(p[1:-1] if p[:1] in "\"'" and len(p) >= 2 else p for p in parts)
+
+
+def _path_str(path: tuple) -> str:
+    out = ""
+    for p in path:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+def _describe(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"' if len(v) <= 40 else f'"{v[:37]}..."'
+    if isinstance(v, dict):
+        return "a table"
+    if isinstance(v, list):
+        return "an array"
+    return repr(v)
+
+
+def _suggest(word: str, choices) -> str | None:
+    choices = list(choices)
+    w = word.lower()
+    if not w:
+        return None
+    # same name in another case, then names it is a prefix of ('H100' -> 'H100-SXM'), then
+    # spelling neighbours
+    first = [c for c in choices if c.lower() == w] + [c for c in choices
+                                                      if c.lower().startswith(w) and c.lower() != w]
+    close = first + [c for c in difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+                     if c not in first]
+    close = close[:3]
+    return ("did you mean " + " or ".join(f"'{c}'" for c in close) + "?") if close else None
+
+
+def _resolve(path_or_name: str | Path) -> Path:
+    p = Path(path_or_name)
+    looks_like_path = isinstance(path_or_name, Path) or p.suffix == ".toml" or len(p.parts) > 1
+    if looks_like_path or p.is_file():
+        if not p.is_file():
+            raise H2Error(f"no such cluster file: {p}", hint=_builtin_hint())
+        return p
+    candidate = BUILTIN_DIR / f"{p.name}.toml"
+    if candidate.is_file():
+        return candidate
+    raise H2Error(f"unknown cluster '{path_or_name}': not a file and not a built-in cluster",
+                  hint=_builtin_hint(str(path_or_name)))
+
+
+def _builtin_hint(name: str | None = None) -> str:
+    names = builtin_clusters()
+    text = "built-in clusters: " + (", ".join(names) if names else f"none found in {BUILTIN_DIR}")
+    close = _suggest(name, names) if name else None
+    return f"{close} ({text})" if close else text

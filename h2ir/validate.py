@@ -1,0 +1,274 @@
+"""Semantic checks of a Plan against a model's costs and a cluster.
+
+`validate_plan` raises H2Error at the first mistake, pointing at the .h2plan line (and column,
+when the plan came from text: Plan.locations) of the statement or option at fault, and returns
+a list of warnings for things that are legal but probably not what the user wants.
+
+Checks, in order: known words and positive numbers (for plans not built by the parser), each
+stage's chip type, chips == dp * tp, TP divides the attention heads, chips per type against the
+cluster, batch divisibility, layer assignment (unknown / twice / not contiguous / out of model
+order / missing), the MoE section, and finally memory per device through
+`h2ir.resource.stage_memory` (the same model the planner and simulator use).
+"""
+from __future__ import annotations
+
+from h2ir.cluster import Cluster
+from h2ir.costs import ModelCosts
+from h2ir.errors import H2Error
+from h2ir.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
+
+# how many of a stage's biggest memory consumers an out-of-memory error lists
+_TOP_CONSUMERS = 4
+
+
+def validate_plan(plan: Plan, costs: ModelCosts, cluster: Cluster) -> list[str]:
+    """Raise H2Error if `plan` cannot run `costs`' model on `cluster`; return warnings."""
+    v = _Validator(plan, costs, cluster)
+    v.plan_values()
+    v.stages()
+    v.chip_totals()
+    v.batch()
+    v.layers()
+    v.moe()
+    v.memory()
+    return v.warnings()
+
+
+class _Validator:
+    def __init__(self, plan: Plan, costs: ModelCosts, cluster: Cluster):
+        self.plan = plan
+        self.costs = costs
+        self.cluster = cluster
+        self.names = costs.layer_names()
+        self.index = {n: i for i, n in enumerate(self.names)}
+
+    # -- where errors point
+
+    def fail(self, message: str, key: str | None = None, line: int | None = None,
+             hint: str | None = None):
+        loc = self.plan.locations.get(key) if key else None
+        col = None
+        if loc:
+            line, col = loc
+        elif key and key.startswith("stage.") and line is None:
+            line = self._stage_line(int(key.split(".")[1]))
+        elif key and key.startswith("moe") and self.plan.moe is not None and line is None:
+            line = self.plan.moe.line or None
+        raise H2Error(message, file=self.plan.source, line=line or None, col=col, hint=hint)
+
+    def _stage_line(self, i: int) -> int | None:
+        return self.plan.stages[i].line or None
+
+    def _stage_key(self, i: int, option: str) -> str:
+        """The option's own location if the text had it, else the stage statement's."""
+        key = f"stage.{i}.{option}"
+        return key if key in self.plan.locations else f"stage.{i}"
+
+    # -- checks
+
+    def plan_values(self):
+        p = self.plan
+        if p.schedule not in SCHEDULES:
+            self.fail(f"unknown schedule '{p.schedule}'; expected one of: {', '.join(SCHEDULES)}",
+                      "schedule")
+        for value, what, key in ((p.global_batch, "global batch", "batch.global"),
+                                 (p.micro_batch, "micro-batch", "batch.micro"),
+                                 (p.seq_len, "sequence length", "batch.seq"),
+                                 (p.dp, "dp", "dp")):
+            if not _is_positive_int(value):
+                self.fail(f"{what} must be a positive integer, got {value!r}", key)
+        if not p.stages:
+            self.fail("the plan has no stages")
+
+    def stages(self):
+        p = self.plan
+        for i, s in enumerate(p.stages):
+            for value, what in ((s.chips, "chips"), (s.tp, "tp")):
+                if not _is_positive_int(value):
+                    self.fail(f"stage {i}: {what} must be a positive integer, got {value!r}",
+                              self._stage_key(i, what))
+            if s.recompute not in RECOMPUTE:
+                self.fail(f"stage {i}: unknown recompute '{s.recompute}'; expected one of: "
+                          f"{', '.join(RECOMPUTE)}", self._stage_key(i, "recompute"))
+            if not s.layers:
+                self.fail(f"stage {i} has no layers", self._stage_key(i, "layers"))
+            if s.chip not in self.cluster.chip_types or self.cluster.count(s.chip) == 0:
+                have = ", ".join(f"{c} ({self.cluster.count(c)})" for c in self.cluster.chip_types
+                                 if self.cluster.count(c)) or "none"
+                self.fail(f"stage {i}: chip type '{s.chip}' is not in cluster "
+                          f"'{self.cluster.name}' (it has: {have})", self._stage_key(i, "chip"))
+            if s.chips != p.dp * s.tp:
+                self.fail(f"stage {i}: chips={s.chips} but dp x tp = {p.dp} x {s.tp} = "
+                          f"{p.dp * s.tp}; a stage's chips count every replica", 
+                          self._stage_key(i, "chips"),
+                          hint=f"use chips={p.dp * s.tp}, or change tp or dp")
+            heads = self.costs.n_heads
+            if heads and heads % s.tp:
+                self.fail(f"stage {i}: tp={s.tp} does not divide the model's {heads} attention "
+                          f"heads", self._stage_key(i, "tp"),
+                          hint="tp must divide the head count: "
+                          + ", ".join(str(d) for d in _divisors(heads)))
+
+    def chip_totals(self):
+        used: dict[str, int] = {}
+        for i, s in enumerate(self.plan.stages):
+            used[s.chip] = used.get(s.chip, 0) + s.chips
+            have = self.cluster.count(s.chip)
+            if used[s.chip] > have:
+                users = [j for j, t in enumerate(self.plan.stages[:i + 1]) if t.chip == s.chip]
+                self.fail(f"stages {_listing(users)} request {used[s.chip]} {s.chip} chips but "
+                          f"cluster '{self.cluster.name}' has {have}",
+                          self._stage_key(i, "chips"))
+
+    def batch(self):
+        p = self.plan
+        per_step = p.micro_batch * p.dp
+        if p.global_batch % per_step:
+            self.fail(f"global batch {p.global_batch} is not divisible by micro-batch x dp = "
+                      f"{p.micro_batch} x {p.dp} = {per_step}", "batch.global",
+                      hint="each replica runs global / (micro x dp) whole micro-batches per step")
+
+    def layers(self):
+        owner: dict[str, int] = {}
+        spans: list[tuple[int, int]] = []
+        for i, s in enumerate(self.plan.stages):
+            key = self._stage_key(i, "layers")
+            seen_here: set[str] = set()
+            for name in s.layers:
+                if name not in self.index:
+                    self.fail(f"stage {i}: unknown layer '{name}'; model '{self.costs.model}' has "
+                              f"{_describe_layers(self.names)}", key)
+                if name in seen_here:
+                    self.fail(f"stage {i}: layer '{name}' is listed twice", key)
+                if name in owner:
+                    j = owner[name]
+                    self.fail(f"layer '{name}' is assigned twice: to stage {j} (line "
+                              f"{self._stage_line(j) or '?'}) and to stage {i}", key)
+                seen_here.add(name)
+                owner[name] = i
+            idx = [self.index[n] for n in s.layers]
+            for a, b in zip(idx, idx[1:]):
+                if b < a:
+                    self.fail(f"stage {i} lists '{self.names[b]}' after '{self.names[a]}'; "
+                              f"layers must be in model order", key)
+            for a, b in zip(idx, idx[1:]):
+                if b != a + 1:
+                    self.fail(f"stage {i}'s layers are not contiguous: '{self.names[a]}' is "
+                              f"followed by '{self.names[b]}' (a stage runs one unbroken range "
+                              f"of layers)", key)
+            spans.append((idx[0], idx[-1]))
+        missing = [n for n in self.names if n not in owner]
+        if missing:
+            first = self.index[missing[0]]
+            # point at the stage that follows the gap (or the last stage)
+            after = next((i for i, (a, _) in enumerate(spans) if a > first), len(spans) - 1)
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            self.fail(f"layer '{missing[0]}'{more} is not assigned to any stage",
+                      self._stage_key(after, "layers"),
+                      hint="every layer of the model must belong to exactly one stage")
+        for i in range(1, len(spans)):
+            if spans[i][0] != spans[i - 1][1] + 1:
+                self.fail(f"stages out of model order: stage {i} starts at "
+                          f"'{self.names[spans[i][0]]}' but stage {i - 1} ends at "
+                          f"'{self.names[spans[i - 1][1]]}'", self._stage_key(i, "layers"),
+                          hint="stages are listed first to last in model order")
+
+    def moe(self):
+        m = self.plan.moe
+        if m is None:
+            return
+        moe_layers = [l for l in self.costs.layers if l.moe is not None]
+        if not moe_layers:
+            self.fail(f"a 'moe' section, but model '{self.costs.model}' has no MoE layers", "moe")
+        if not _is_positive_int(m.ep):
+            self.fail(f"moe: ep must be a positive integer, got {m.ep!r}", "moe.ep")
+        for value, allowed, what, key in ((m.placement, PLACEMENTS, "expert placement", "placement"),
+                                          (m.a2a, A2A_ALGOS, "all-to-all algorithm", "a2a"),
+                                          (m.migration, MIGRATION, "migration policy", "migration")):
+            if value not in allowed:
+                self.fail(f"moe: unknown {what} '{value}'; expected one of: {', '.join(allowed)}",
+                          f"moe.{key}")
+        if m.migration == "periodic" and not _is_positive_int(m.migration_every):
+            self.fail(f"moe: migration=periodic needs a positive interval, got "
+                      f"{m.migration_every!r}", "moe.migration")
+        experts = sorted({l.moe.num_experts for l in moe_layers})
+        for e in experts:
+            if e % m.ep:
+                self.fail(f"moe: ep={m.ep} does not divide the {e} experts of the MoE layers",
+                          "moe.ep")
+        # An expert group is a set of workers, i.e. replicas of one stage (h2ir/schedule.py:
+        # all_to_all [w..]), so the expert-parallel degree is carved out of dp.
+        if self.plan.dp % m.ep:
+            self.fail(f"moe: ep={m.ep} does not divide dp={self.plan.dp}; expert-parallel groups "
+                      f"are formed from the data-parallel replicas of a stage", "moe.ep")
+
+    def memory(self):
+        try:
+            from h2ir.resource import stage_memory
+        except ModuleNotFoundError as e:
+            if e.name != "h2ir.resource":
+                raise
+            self._unchecked_memory = True
+            return
+        self._unchecked_memory = False
+        for i, s in enumerate(self.plan.stages):
+            mem = stage_memory(self.costs, self.plan, self.cluster, i)
+            if mem.total > mem.capacity:
+                top = sorted(mem.items.items(), key=lambda kv: -kv[1])[:_TOP_CONSUMERS]
+                consumers = ", ".join(f"{k} {_bytes(v)}" for k, v in top if v)
+                self.fail(f"stage {i} does not fit in memory: needs {_bytes(mem.total)} "
+                          f"({mem.total:,} B) per device, {s.chip} has {_bytes(mem.capacity)} "
+                          f"({mem.capacity:,} B); biggest: {consumers}", f"stage.{i}",
+                          hint="try recompute=full, a larger tp, or fewer layers on this stage")
+
+    def warnings(self) -> list[str]:
+        out = []
+        if getattr(self, "_unchecked_memory", False):
+            out.append("memory per device not checked: h2ir.resource is not available")
+        for i, s in enumerate(self.plan.stages):
+            try:
+                g = self.cluster.group(s.chip)
+            except KeyError:
+                continue
+            where = f"line {s.line}: " if s.line else ""
+            if s.tp > g.chips_per_node:
+                out.append(f"{where}stage {i}: tp={s.tp} spans {-(-s.tp // g.chips_per_node)} "
+                           f"nodes of {s.chip} ({g.chips_per_node} per node); tensor-parallel "
+                           f"traffic will cross the NICs")
+            elif g.chips_per_node % s.tp:
+                out.append(f"{where}stage {i}: tp={s.tp} does not divide {s.chip}'s "
+                           f"{g.chips_per_node} chips per node; some TP groups straddle two nodes")
+        if self.costs.seq_len and self.plan.seq_len != self.costs.seq_len:
+            out.append(f"the plan's seq={self.plan.seq_len} differs from the {self.costs.seq_len} "
+                       f"the model's costs were traced at; costs are rescaled linearly in tokens")
+        return out
+
+
+def _is_positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listing(items: list[int]) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _describe_layers(names: list[str]) -> str:
+    blocks = [n for n in names if n.startswith("block.")]
+    others = [n for n in names if not n.startswith("block.")]
+    if len(blocks) == len(names) - len(others) and blocks:
+        head = [n for n in others if names.index(n) < names.index(blocks[0])]
+        tail = [n for n in others if names.index(n) > names.index(blocks[-1])]
+        return ", ".join(head + [f"{blocks[0]}..{blocks[-1]}"] + tail)
+    return ", ".join(names)
+
+
+def _bytes(n: float) -> str:
+    if n >= 2 ** 30:
+        return f"{n / 2 ** 30:.2f} GiB"
+    if n >= 2 ** 20:
+        return f"{n / 2 ** 20:.1f} MiB"
+    return f"{int(n):,} B"
