@@ -1,0 +1,49 @@
+"""`h2x`: the h2 executor's command line.
+
+    h2x run BUILD/      train: one process per worker interprets its instruction stream
+    h2x bench-comm      DiComm latency and bandwidth per transport, memcpy beside them
+
+Errors in the user's input print as `file:line:col: error: ...` and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from h2ir.cli import run_subcommand
+
+SUBCOMMANDS = {
+    "run": "executor.cli:run_main",
+    "bench-comm": "executor.dicomm.bench:bench_main",
+}
+
+
+def run_main(argv: list[str]) -> int:
+    from executor.launcher import run
+    ap = argparse.ArgumentParser(prog="h2x run", description="Train from a build directory.")
+    ap.add_argument("build", help="build directory written by `h2c compile`")
+    ap.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
+    ap.add_argument("--data", default=None, help="text file or directory (default: the Python "
+                    "standard library's source files)")
+    ap.add_argument("--json-log", default=None, help="write one JSON object per step to FILE")
+    ap.add_argument("--trace", default=None, help="write the measured Chrome/Perfetto trace to FILE")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    ap.add_argument("--transport", default="shm", choices=["tcp", "shm", "rdma"])
+    ap.add_argument("--strict-transport", action="store_true",
+                    help="refuse to run if the asked transport is unavailable (default: fall back)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="communication timeout, seconds")
+    ap.add_argument("--device", default="cpu", help="torch device for torch-backend stages")
+    a = ap.parse_args(argv)
+    run(a.build, steps=a.steps, data=a.data, json_log=a.json_log, trace=a.trace,
+        checkpoint_every=a.checkpoint_every, resume=a.resume, transport=a.transport,
+        strict_transport=a.strict_transport, timeout=a.timeout, device=a.device)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_subcommand(SUBCOMMANDS, "h2x", sys.argv[1:] if argv is None else argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

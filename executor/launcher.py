@@ -1,0 +1,274 @@
+"""`h2x run BUILD/`: one process per worker on this host, supervised.
+
+The launcher hosts the rendezvous store (torch's TCPStore) and a per-run secret, starts the
+workers, prints a progress line per step, writes the JSON log and the measured trace, and stops
+every worker cleanly when one dies or hangs (naming it and its last instruction).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from executor.build import BuildDir
+from executor.checkpoint import latest_complete, mark_complete
+from executor.worker import STATUS_FIELDS
+from h2ir.errors import H2Error
+
+HANG_AFTER_S = 5.0          # no heartbeat for this long: the worker is hung (stopped, deadlocked)
+
+
+class RunFailed(Exception):
+    pass
+
+
+@dataclass
+class RunResult:
+    losses: list = field(default_factory=list)          # per step (mean over replicas)
+    step_s: list = field(default_factory=list)
+    tokens_per_s: list = field(default_factory=list)
+    predicted_step_s: float | None = None
+    transport: str = ""
+
+
+def _reader(proc, wid, q):
+    for line in proc.stdout:
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                q.put((wid, json.loads(line)))
+                continue
+            except json.JSONDecodeError:
+                pass
+        if line:
+            q.put((wid, {"event": "log", "text": line}))
+    q.put((wid, {"event": "eof"}))
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def predicted_step_time(build: BuildDir):
+    """The planner's prediction for this build (resource model + local calibration)."""
+    from h2ir.calibration import ensure_calibration
+    from h2ir.clusterfile import load_cluster
+    from h2ir.plandsl import load_plan
+    from h2ir.simulate import simulate
+    plan = load_plan(str(build.path / "plan.h2plan"))
+    cl = build.path / "cluster.toml"
+    cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
+    backends = [cluster.chip(s.chip).backend for s in plan.stages]
+    cal = ensure_calibration(backends) if any(cluster.chip(s.chip).measured for s in plan.stages) else None
+    return simulate(build.model_costs(), plan, cluster, cal)
+
+
+def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
+        trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+        transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
+        device: str = "cpu", out=print, predict: bool = True) -> RunResult:
+    from executor import dicomm
+
+    build = BuildDir(build_path)
+    m = build.manifest
+    W = len(build.workers)
+    if transport == "rdma":
+        usable, why = dicomm.rdma_probe()
+        if not usable:
+            if strict_transport:
+                raise H2Error(f"--transport rdma: {why}; refusing to fall back "
+                              "(drop --strict-transport to run over shm)")
+            out(f"note: {why}; falling back to shm")
+            transport = "shm"
+    ckpt_dir = build.path / "ckpt"
+    start, resume_from = 0, None
+    if resume:
+        found = latest_complete(ckpt_dir)
+        if found is None:
+            raise H2Error("--resume: no complete checkpoint to resume from", str(ckpt_dir))
+        start, resume_from = found
+        out(f"resuming from {resume_from} (step {start})")
+        if start >= steps:
+            out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
+            return RunResult()
+
+    store = dicomm.host_store("127.0.0.1")
+    secret = dicomm.new_secret()
+    run_dir = Path(tempfile.mkdtemp(prefix="h2x-run-"))
+    status_path = run_dir / "status.bin"
+    status = np.memmap(status_path, dtype=np.float64, mode="w+", shape=(W, STATUS_FIELDS))
+    status[:] = 0
+    status[:, 0] = time.time()
+    status.flush()
+    t0 = time.perf_counter()
+    env = dict(os.environ, H2_SECRET=secret, H2_T0=repr(t0), PYTHONUNBUFFERED="1")
+    procs, errs = [], []
+    for w in range(W):
+        cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path), "--worker", str(w),
+               "--store-port", str(store.port), "--steps", str(steps), "--start", str(start),
+               "--transport", transport, "--status", str(status_path), "--run-dir", str(run_dir),
+               "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(ckpt_dir),
+               "--device", device, "--timeout", str(timeout)]
+        if data:
+            cmd += ["--data", data]
+        if resume_from:
+            cmd += ["--resume-from", str(resume_from)]
+        err = open(run_dir / f"stderr_w{w}.txt", "w")
+        errs.append(err)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
+    q: queue.Queue = queue.Queue()
+    for w, p in enumerate(procs):
+        threading.Thread(target=_reader, args=(p, w, q), daemon=True).start()
+
+    result = RunResult(transport=transport)
+    step_reports: dict[int, dict] = {}
+    ckpt_reports: dict[int, set] = {}
+    done: set = set()
+    last_step_t = None
+    tokens_per_step = m["global_batch"] * m["seq_len"]
+    log_f = open(json_log, "w") if json_log else None
+    try:
+        while len(done) < W:
+            try:
+                w, ev = q.get(timeout=0.2)
+            except queue.Empty:
+                w, ev = None, None
+            if ev is not None:
+                kind = ev["event"]
+                if kind == "ready":
+                    result.transport = ev.get("transport", transport)
+                elif kind == "step":
+                    rep = step_reports.setdefault(ev["step"], {"workers": set(), "losses": []})
+                    rep["workers"].add(w)
+                    if "loss" in ev:
+                        rep["losses"].append(ev["loss"])
+                    if len(rep["workers"]) == W:
+                        now = time.perf_counter()
+                        step_s = now - (last_step_t if last_step_t is not None else t0)
+                        last_step_t = now
+                        loss = float(np.mean(rep["losses"]))
+                        tps = tokens_per_step / step_s
+                        result.losses.append(loss)
+                        result.step_s.append(step_s)
+                        result.tokens_per_s.append(tps)
+                        s = ev["step"]
+                        out(f"step {s + 1:>4}/{steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
+                            f"step {step_s:.3f} s" + ("  (includes start-up)" if s == start else ""))
+                        if log_f:
+                            log_f.write(json.dumps({"step": s + 1, "loss": loss, "tokens_per_s": tps,
+                                                    "step_s": step_s}) + "\n")
+                            log_f.flush()
+                        del step_reports[s]
+                elif kind == "checkpoint":
+                    got = ckpt_reports.setdefault(ev["step"], set())
+                    got.add(w)
+                    if len(got) == W:
+                        mark_complete(ckpt_dir, ev["step"])
+                elif kind == "done":
+                    done.add(w)
+                elif kind == "log":
+                    out(f"[w{w}] {ev['text']}")
+            _check_health(build, procs, status, done, run_dir)
+    except RunFailed as e:
+        _kill_all(procs)
+        raise H2Error(str(e)) from None
+    except KeyboardInterrupt:
+        _kill_all(procs)
+        raise
+    finally:
+        if log_f:
+            log_f.close()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for e in errs:
+            e.close()
+
+    if trace:
+        _write_trace(build, run_dir, trace)
+    if predict and len(result.step_s) > 1:
+        try:
+            sim = predicted_step_time(build)
+            result.predicted_step_s = sim.step_time_s
+            measured = float(np.median(result.step_s[1:]))
+            err = (sim.step_time_s - measured) / measured
+            out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
+                f"(median of steps 2..{len(result.step_s)}), error {err:+.1%}")
+        except H2Error as e:
+            out(f"note: no prediction ({e})")
+    return result
+
+
+def _check_health(build, procs, status, done, run_dir):
+    now = time.time()
+    for w, p in enumerate(procs):
+        rc = p.poll()
+        if rc is not None and rc != 0:
+            raise RunFailed(_failure(build, w, status, run_dir,
+                                     f"exited with {_describe_rc(rc)}"))
+        if rc is None and w not in done and status[w, 3] == 0 and now - status[w, 0] > HANG_AFTER_S:
+            raise RunFailed(_failure(build, w, status, run_dir,
+                                     f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)"))
+
+
+def _describe_rc(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _failure(build, w, status, run_dir, what: str) -> str:
+    info = build.workers[w]
+    step, pc = int(status[w, 1]), int(status[w, 2])
+    try:
+        instr = str(build.stream(w)[pc])
+    except (IndexError, H2Error):
+        instr = "?"
+    msg = (f"worker w{w} (stage {info['stage']}, replica {info['replica']}, {info['backend']}) {what}; "
+           f"last instruction: '{instr}' of step {step + 1}. All workers stopped.")
+    tail = (run_dir / f"stderr_w{w}.txt")
+    if tail.exists():
+        lines = [l for l in tail.read_text().splitlines() if l.strip()][-6:]
+        if lines:
+            msg += "\n  worker stderr (last lines):\n    " + "\n    ".join(lines)
+    return msg
+
+
+def _write_trace(build, run_dir: Path, path: str):
+    from h2ir.simulate import TraceEvent, chrome_trace
+    events = []
+    names = {}
+    for w in range(len(build.workers)):
+        f = run_dir / f"trace_w{w}.json"
+        info = build.workers[w]
+        names[w] = f"w{w} stage {info['stage']} ({info['backend']})"
+        if not f.exists():
+            continue
+        for lane, name, start, dur, step in json.loads(f.read_text()):
+            events.append(TraceEvent(w, lane, name, start, dur, {"step": step + 1}))
+    Path(path).write_text(json.dumps(chrome_trace(events, names, {"kind": "measured"})))

@@ -1,0 +1,318 @@
+"""One h2x worker: loads its stage for its backend and interprets its instruction stream.
+
+`StreamInterpreter` runs a stream one instruction at a time with one method per instruction kind
+(as torch.fx.Interpreter has one per opcode); `Worker` is the real executor. The simulator in
+h2ir/simulate.py times the same streams with the cost model.
+
+A worker talks to the launcher through JSON lines on stdout (events) and a status slot in a
+shared memory-mapped file (heartbeat, step, instruction index), which is how h2x names the last
+instruction of a worker that died or hung.
+"""
+from __future__ import annotations
+
+import os
+
+# One compute thread per worker: set before numpy/torch load their thread pools.
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from backends.base import get_backend, run_program
+from executor.build import BuildDir
+from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
+from executor.data import TokenBatches, load_corpus
+from h2ir.schedule import Instr
+from h2ir.types import DTYPES, TensorType
+
+STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done, 2 failed)
+
+
+class StreamInterpreter:
+    """Runs an instruction stream; subclasses say what each instruction means."""
+
+    def run_instr(self, ins: Instr):
+        return getattr(self, ins.op)(ins)
+
+    def fwd(self, ins): raise NotImplementedError
+    def bwd(self, ins): raise NotImplementedError
+    def send_act(self, ins): raise NotImplementedError
+    def recv_act(self, ins): raise NotImplementedError
+    def send_grad(self, ins): raise NotImplementedError
+    def recv_grad(self, ins): raise NotImplementedError
+    def all_reduce(self, ins): raise NotImplementedError
+    def opt_step(self, ins): raise NotImplementedError
+
+    def all_to_all(self, ins):
+        raise NotImplementedError("all_to_all (MoE expert parallelism) is not executed yet")
+
+
+def _ttype(s: str) -> TensorType:
+    dt, shape = s.split("[")
+    shape = shape.rstrip("]")
+    return TensorType(dt, tuple(int(x) for x in shape.split(",")) if shape else ())
+
+
+class Worker(StreamInterpreter):
+    def __init__(self, build: BuildDir, wid: int, comm, data: TokenBatches | None, opt: dict,
+                 emit, status, device: str = "cpu"):
+        self.build, self.wid, self.comm, self.data, self.emit, self.status = \
+            build, wid, comm, data, emit, status
+        w = build.workers[wid]
+        self.replica, self.stage_idx = w["replica"], w["stage"]
+        self.S = build.num_stages
+        self.m = build.manifest["num_microbatches"]
+        st = build.stage(self.stage_idx)
+        self.st = st
+        opts = {"device": device, "dtype_policy": st.dtype_policy} if st.backend == "torch" else {}
+        self.be = get_backend(st.backend, **opts)
+        self.stream = build.stream(wid)
+        self.sig = st.sig
+        self.first, self.last = self.stage_idx == 0, self.stage_idx == self.S - 1
+        self.opt = opt
+        from safetensors.numpy import load_file
+        self.params = {k: self.be.from_numpy(v, _np_dtype(v)) for k, v in load_file(str(st.weights)).items()}
+        self.consts = {k: self.be.from_numpy(v, _np_dtype(v)) for k, v in load_file(str(st.consts)).items()}
+        self.param_names = list(self.sig["params"])
+        self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
+        self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
+        self.opt_steps = 0
+        self.in_types = {k: _ttype(v) for k, v in self.sig["input_types"].items()}
+        self.out_types = {k: _ttype(v) for k, v in self.sig["output_types"].items()}
+        # float boundary values get a gradient back (zeros when nothing flows into them)
+        self.grad_inputs = [k for k in self.sig["inputs"]
+                            if self.in_types[k].dtype in ("f32", "f64", "f16", "bf16")]
+        self.grad_outputs = [k for k in self.sig["outputs"] if k != "loss" and
+                             self._type_of(k).dtype in ("f32", "f64", "f16", "bf16")]
+        self.trace: list = []
+        self.reset_step(0)
+
+    def _type_of(self, name: str) -> TensorType:
+        return self.out_types.get(name) or self.in_types[name]
+
+    def reset_step(self, step: int):
+        self.step = step
+        self.acts_in: dict[int, dict] = {}        # mb -> received boundary inputs
+        self.acts_out: dict[int, dict] = {}       # mb -> outputs to send (incl. pass-through)
+        self.saved: dict[int, dict] = {}          # mb -> saved for backward
+        self.grads_out: dict[int, dict] = {}      # mb -> received output grads
+        self.grads_in: dict[int, dict] = {}       # mb -> input grads to send upstream
+        self.param_grads: dict = {}
+        self.losses: list[float] = []
+
+    # ---- compute -------------------------------------------------------------------------------
+    def _batch(self, mb):
+        tokens, targets = self.data.micro_batch(self.step, self.replica, mb)
+        return tokens, targets
+
+    def fwd(self, ins):
+        mb = ins.mb
+        env = dict(self.params)
+        env.update(self.consts)
+        if self.first:
+            tokens, targets = self._batch(mb)
+            env[self.sig["inputs"][0]] = self.be.from_numpy(tokens, "i64")
+        else:
+            env.update(self.acts_in.pop(mb))
+        if self.last:
+            env["targets"] = self.be.from_numpy(self._batch(mb)[1], "i64")
+        outs = run_program(self.st.fwd, self.be, env)
+        n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
+        computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]
+        result = dict(zip(computed, outs[:n_out]))
+        for k in self.sig["passthrough"]:
+            result[k] = env[k]
+        saved = {v.name: o for v, o in zip(self.st.fwd.outputs[n_out:], outs[n_out:])}
+        # saved values that are program inputs (params, the stage input) are read from env
+        self.saved[mb] = saved
+        if self.last:
+            self.losses.append(float(self.be.to_numpy(result["loss"])))
+        else:
+            self.acts_out[mb] = result
+
+    def bwd(self, ins):
+        mb = ins.mb
+        env = dict(self.params)
+        env.update(self.consts)
+        env.update(self.saved.pop(mb))
+        received = self.grads_out.pop(mb, {})
+        if self.last:
+            env["grad.loss"] = self.be.from_numpy(np.asarray(1.0 / self.m, dtype=np.float32), "f32")
+        for k in self.sig["tangents"]:
+            if k != "loss":
+                env[f"grad.{k}"] = received[k]
+        outs = run_program(self.st.bwd, self.be, env)
+        grads = dict(zip(self.sig["input_grads"], outs))
+        add = self.be.ops["add"]
+        for k in self.param_names:
+            if k in grads:
+                g = grads[k]
+                self.param_grads[k] = g if k not in self.param_grads else add(self.param_grads[k], g)
+        if not self.first:
+            gin = {}
+            for k in self.grad_inputs:
+                g = grads.get(k)
+                if k in self.sig["passthrough"] and k in received:
+                    g = received[k] if g is None else add(g, received[k])
+                gin[k] = g
+            self.grads_in[mb] = gin
+
+    # ---- communication -------------------------------------------------------------------------
+    def send_act(self, ins):
+        for k, t in self.acts_out.pop(ins.mb).items():
+            self.comm.send(ins.peer, self.be.to_numpy(t), kind=f"act:{k}", mb=ins.mb,
+                           stage=self.stage_idx)
+
+    def recv_act(self, ins):
+        got = {}
+        for k in self.sig["inputs"]:
+            a = self.comm.recv(ins.peer, kind=f"act:{k}", mb=ins.mb)
+            got[k] = self.be.from_numpy(a, self.in_types[k].dtype)
+        self.acts_in[ins.mb] = got
+
+    def send_grad(self, ins):
+        for k, g in self.grads_in.pop(ins.mb).items():
+            t = self.in_types[k]
+            arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, _host(t.dtype))
+            self.comm.send(ins.peer, arr, kind=f"grad:{k}", mb=ins.mb, stage=self.stage_idx)
+
+    def recv_grad(self, ins):
+        got = {}
+        for k in self.grad_outputs:
+            a = self.comm.recv(ins.peer, kind=f"grad:{k}", mb=ins.mb)
+            got[k] = self.be.from_numpy(a, self._type_of(k).dtype)
+        self.grads_out[ins.mb] = got
+
+    def all_reduce(self, ins):
+        names = [k for k in self.param_names]
+        arrs = [np.ascontiguousarray(self.be.to_numpy(self._grad(k))) for k in names]
+        self.comm.all_reduce(arrs, group=list(ins.group), op="avg")
+        for k, a in zip(names, arrs):
+            self.param_grads[k] = self.be.from_numpy(a, "f32")
+
+    def _grad(self, k):
+        if k not in self.param_grads:      # a parameter no micro-batch touched: zero gradient
+            self.param_grads[k] = self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
+        return self.param_grads[k]
+
+    def opt_step(self, ins):
+        self.opt_steps += 1
+        o = self.opt
+        names = self.param_names
+        self.be.adamw_step([self.params[k] for k in names], [self._grad(k) for k in names],
+                           [self.exp_avg[k] for k in names], [self.exp_avg_sq[k] for k in names],
+                           self.opt_steps, o["lr"], o["betas"][0], o["betas"][1], o["eps"],
+                           o["weight_decay"])
+
+    # ---- the step loop -------------------------------------------------------------------------
+    def run(self, start: int, steps: int, ckpt_every: int, ckpt_dir: Path | None, t_origin: float):
+        lanes = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
+        for step in range(start, steps):
+            self.reset_step(step)
+            t_step = time.perf_counter()
+            for pc, ins in enumerate(self.stream):
+                self.status[:] = (time.time(), step, pc, 0)
+                t0 = time.perf_counter()
+                self.run_instr(ins)
+                t1 = time.perf_counter()
+                name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}"}.get(ins.op, str(ins))
+                self.trace.append((lanes.get(ins.op, "comm"), name, t0 - t_origin, t1 - t0, step))
+            ev = {"event": "step", "worker": self.wid, "step": step,
+                  "compute_s": time.perf_counter() - t_step}
+            if self.last:
+                ev["loss"] = float(np.mean(self.losses))
+            self.emit(ev)
+            if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
+                save_worker_checkpoint(ckpt_dir, step + 1, self)
+                self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1})
+        self.status[3] = 1
+
+
+def _np_dtype(a: np.ndarray) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
+            np.dtype(np.int64): "i64", np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool",
+            np.dtype(np.uint16): "bf16"}[a.dtype]
+
+
+def _host(dtype: str):
+    return {"bf16": np.uint16, "f32": np.float32, "f64": np.float64, "f16": np.float16}[dtype]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="h2x-worker")
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--worker", type=int, required=True)
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--transport", default="shm")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--status", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--resume-from", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--timeout", type=float, default=10.0)
+    a = ap.parse_args(argv)
+
+    out = sys.stdout
+    lock = threading.Lock()
+
+    def emit(ev):
+        with lock:
+            out.write(json.dumps(ev) + "\n")
+            out.flush()
+
+    build = BuildDir(a.build)
+    W = len(build.workers)
+    status_all = np.memmap(a.status, dtype=np.float64, mode="r+", shape=(W, STATUS_FIELDS))
+    status = status_all[a.worker]
+    parent = os.getppid()
+
+    def heartbeat():   # also: exit if the launcher is gone, so no worker outlives h2x
+        while True:
+            status[0] = time.time()
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    m = build.manifest
+    w = build.workers[a.worker]
+    needs_data = w["stage"] in (0, build.num_stages - 1)
+    data = TokenBatches(load_corpus(a.data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
+                        m["dp"], m["seed"]) if needs_data else None
+    from executor import dicomm
+    comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
+                          transport=a.transport, fallback=True, timeout=a.timeout)
+    emit({"event": "ready", "worker": a.worker, "transport": getattr(comm, "transport", a.transport)})
+    worker = Worker(build, a.worker, comm, data, m["optimizer"], emit, status, a.device)
+    if a.resume_from:
+        load_worker_checkpoint(Path(a.resume_from), worker)
+    t_origin = float(os.environ.get("H2_T0", time.perf_counter()))
+    try:
+        worker.run(a.start, a.steps, a.checkpoint_every,
+                   Path(a.checkpoint_dir) if a.checkpoint_dir else None, t_origin)
+    finally:
+        Path(a.run_dir, f"trace_w{a.worker}.json").write_text(json.dumps(worker.trace))
+    comm.barrier(list(range(W)))
+    comm.close()
+    emit({"event": "done", "worker": a.worker})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""`h2c compile`: model + cluster + plan -> a self-contained build directory.
+
+    build/
+      manifest.json            what h2x needs: plan, model hash, cluster, versions, stages, workers
+      plan.h2plan              the plan (canonical DSL text)
+      cluster.toml             the cluster description the plan was made for
+      model.h2ir               the whole model's IR (for reading)
+      stages/stageN.fwd.h2ir   forward program of stage N
+      stages/stageN.bwd.h2ir   backward program of stage N
+      stages/stageN.json       stage signature: boundary names, params, saved values, gradients
+      lowered/stageN.B.json    stage N bound to backend B: kernel per op, dtype policy, checks
+      weights/stageN.safetensors         initial parameters of stage N
+      weights/stageN.consts.safetensors  non-trained buffers stage N reads (e.g. rotary tables)
+      streams/wK.txt           instruction stream of worker K (one instruction per line)
+      streams/schedule.csv     all streams as a grid (a row per worker; bubbles are visible)
+
+No pickle anywhere: JSON for metadata, h2ir text for programs, safetensors for tensors. h2x needs
+only this directory and the backends — not the model file.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from h2ir.errors import H2Error
+
+FORMAT = "h2-build/1"
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    plan: object
+    stages: list
+    seconds: float
+
+
+def resolve_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
+                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = ""):
+    """A Plan from 'auto' (HeteroAuto), 'uniform' or a .h2plan file."""
+    from h2ir import search as heteroauto
+    from h2ir.plan import Plan
+
+    if plan_arg == "auto":
+        res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
+                                schedule=schedule, method=search)
+        plan = res.plan
+    elif plan_arg == "uniform":
+        plan = heteroauto.uniform_plan(costs, cluster, global_batch, seq_len=seq_len,
+                                       micro_batch=micro_batch, schedule=schedule).plan
+    else:
+        from h2ir.plandsl import load_plan
+        plan = load_plan(plan_arg)
+        return plan
+    plan.model = model_path or plan.model
+    plan.cluster = cluster.name
+    return plan
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _executable_check(plan, cluster):
+    for i, st in enumerate(plan.stages):
+        if st.tp != 1:
+            raise H2Error(f"stage {i} uses tp={st.tp}: the executor runs tp=1 stages only "
+                          "(tensor parallelism is planned, not executed yet); use --dry-run to "
+                          "emit programs and streams only", plan.source, st.line or None)
+    if plan.moe is not None and plan.moe.ep > 1:
+        raise H2Error("expert parallelism (ep > 1) is planned, not executed yet; use --dry-run",
+                      plan.source, plan.moe.line or None)
+
+
+def lowering_record(prog_fwd, prog_bwd, backend_name: str, stage: int, dtype_policy: str) -> dict:
+    """Bind a stage's programs to a backend's kernels; an op the backend lacks is an error now,
+    not a crash at step 500."""
+    from backends.base import get_backend, missing_kernels
+    be = get_backend(backend_name)
+    missing = sorted(missing_kernels(prog_fwd, be) | missing_kernels(prog_bwd, be))
+    if missing:
+        raise H2Error(f"stage {stage} is placed on backend '{backend_name}', which has no kernel "
+                      f"for op(s): {', '.join(missing)}",
+                      hint="place the stage on another chip type, or add the kernels to "
+                           f"backends/{backend_name}/")
+    used = sorted(prog_fwd.ops_used() | prog_bwd.ops_used())
+    kernels = {op: f"{getattr(be.ops[op], '__module__', '?')}.{getattr(be.ops[op], '__qualname__', op)}"
+               for op in used}
+    return {"backend": backend_name, "stage": stage, "dtype_policy": dtype_policy,
+            "capability_check": "passed", "ops": used, "kernels": kernels}
+
+
+def compile_model(model_path: str, *, model_args: dict | None = None, cluster_arg: str = "local",
+                  plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
+                  seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
+                  schedule: str = "1f1b", search: str = "heuristic", log=print) -> BuildResult:
+    import torch
+    from frontend.capture import trace_model
+    from frontend.stages import build_stage_programs
+    from h2ir.clusterfile import load_cluster
+    from h2ir.plandsl import format_plan
+    from h2ir.schedule import build_streams, format_stream, to_csv
+    from h2ir.text import print_graph
+    from h2ir.validate import validate_plan
+
+    t0 = time.perf_counter()
+    model_args = model_args or {}
+    cluster = load_cluster(cluster_arg)
+    if plan_arg not in ("auto", "uniform"):
+        from h2ir.plandsl import load_plan
+        fplan = load_plan(plan_arg)
+        micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
+        cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
+    mb_trace = micro_batch or 1
+    cap = trace_model(model_path, model_args, mb_trace, seq_len)
+    costs = cap.graph.layer_costs()
+    plan = resolve_plan(plan_arg, costs, cluster, global_batch=global_batch, micro_batch=micro_batch,
+                        seq_len=seq_len, schedule=schedule, search=search, model_path=model_path)
+    if plan.micro_batch != mb_trace:      # the search chose another micro-batch: trace at it
+        cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
+        costs = cap.graph.layer_costs()
+    for w in validate_plan(plan, costs, cluster):
+        log(f"warning: {w}")
+    if not dry_run:
+        _executable_check(plan, cluster)
+    log(f"plan: {len(plan.stages)} stage(s) x dp {plan.dp}, {plan.num_microbatches} micro-batches "
+        f"of {plan.micro_batch} x {plan.seq_len} ({plan.schedule})")
+
+    out = Path(out_dir)
+    if out.exists():
+        if not (out / "manifest.json").exists() and any(out.iterdir()):
+            raise H2Error(f"output directory {out} exists and is not an h2 build directory; "
+                          "refusing to overwrite it")
+        shutil.rmtree(out)
+    for sub in ("stages", "lowered", "streams") + (() if dry_run else ("weights",)):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+
+    stage_layers = [list(s.layers) for s in plan.stages]
+    progs = build_stage_programs(cap, stage_layers, name=cap.model_file.name)
+
+    (out / "plan.h2plan").write_text(format_plan(plan))
+    if cluster.source and Path(cluster.source).is_file():
+        shutil.copyfile(cluster.source, out / "cluster.toml")
+    (out / "model.h2ir").write_text(print_graph(cap.graph))
+
+    stages_meta = []
+    for p, st in zip(progs, plan.stages):
+        chip = cluster.chip(st.chip)
+        policy = "bf16" if cluster.dtype == "bf16" and chip.backend == "torch" else "fp32"
+        if cluster.dtype in ("bf16", "fp16") and chip.backend == "numpy":
+            log(f"warning: stage {p.index} runs on numpy, which computes in fp32 "
+                f"(cluster dtype {cluster.dtype})")
+        s = p.index
+        (out / f"stages/stage{s}.fwd.h2ir").write_text(print_graph(p.fwd))
+        (out / f"stages/stage{s}.bwd.h2ir").write_text(print_graph(p.bwd))
+        (out / f"stages/stage{s}.json").write_text(json.dumps(p.meta(), indent=1))
+        low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy)
+        (out / f"lowered/stage{s}.{chip.backend}.json").write_text(json.dumps(low, indent=1))
+        stages_meta.append({
+            "index": s, "chip": st.chip, "backend": chip.backend, "dtype_policy": policy,
+            "layers": p.layers, "fwd": f"stages/stage{s}.fwd.h2ir", "bwd": f"stages/stage{s}.bwd.h2ir",
+            "signature": f"stages/stage{s}.json", "lowered": f"lowered/stage{s}.{chip.backend}.json",
+            "weights": None if dry_run else f"weights/stage{s}.safetensors",
+            "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
+            "params": len(p.params),
+        })
+
+    if not dry_run:
+        _write_weights(cap, progs, model_path, model_args, seed, out)
+
+    streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp)
+    workers = []
+    for w, instrs in streams.items():
+        r, s = divmod(w, len(plan.stages))
+        (out / f"streams/w{w}.txt").write_text(
+            f"# worker {w}: replica {r}, stage {s} ({stages_meta[s]['backend']})\n" + format_stream(instrs))
+        workers.append({"id": w, "replica": r, "stage": s, "chip": plan.stages[s].chip,
+                        "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt"})
+    (out / "streams/schedule.csv").write_text(to_csv(streams))
+
+    manifest = {
+        "format": FORMAT,
+        "versions": {"h2": _h2_version(), "torch_at_compile": torch.__version__,
+                     "python": sys.version.split()[0]},
+        "created_unix": int(time.time()),
+        "model": {"name": cap.model_file.name, "path": str(Path(model_path).resolve()),
+                  "sha256": _sha256(model_path), "args": model_args, "capture": cap.how,
+                  "total_params": costs.total_params, "vocab": costs.vocab},
+        "cluster": {"name": cluster.name, "file": "cluster.toml" if (out / "cluster.toml").exists()
+                    else None, "dtype": cluster.dtype},
+        "plan": "plan.h2plan",
+        "global_batch": plan.global_batch, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
+        "num_microbatches": plan.num_microbatches, "dp": plan.dp, "schedule": plan.schedule,
+        "seed": seed, "dry_run": dry_run,
+        "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                      "weight_decay": 0.1},
+        "stages": stages_meta, "workers": workers,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return BuildResult(out, plan, progs, time.perf_counter() - t0)
+
+
+def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
+    """Initial weights: the model built for real on the CPU with `seed` (the same init an eager
+    run with that seed gets), split per stage."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import save_file
+
+    torch.manual_seed(seed)
+    model = cap.model_file.build(model_args)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for p in progs:
+        save_file({k: params[k].detach().numpy().copy() for k in p.params},
+                  str(out / f"weights/stage{p.index}.safetensors"))
+        save_file({k: buffers[k].detach().numpy().copy() for k in p.consts},
+                  str(out / f"weights/stage{p.index}.consts.safetensors"))
+
+
+def _h2_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("h2")
+    except Exception:
+        return "0+unknown"
+
+
+def main(argv: list[str]) -> int:
+    from frontend.capture import parse_model_args
+    ap = argparse.ArgumentParser(prog="h2c compile", description="Compile a model for a cluster "
+                                 "and plan into a build directory that `h2x run` executes.")
+    ap.add_argument("model", help="model file (.py)")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--cluster", default="local", help="cluster TOML or built-in name (default: local)")
+    ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
+    ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="programs and streams only, no weights")
+    ap.add_argument("-o", "--output", default="build")
+    a = ap.parse_args(argv)
+    res = compile_model(a.model, model_args=parse_model_args(a.arg), cluster_arg=a.cluster,
+                        plan_arg=a.plan, global_batch=a.global_batch, micro_batch=a.micro_batch,
+                        seq_len=a.seq_len, out_dir=a.output, dry_run=a.dry_run, seed=a.seed,
+                        schedule=a.schedule, search=a.search)
+    for st, p in zip(res.plan.stages, res.stages):
+        print(f"  stage {p.index}: {st.chip} ({st.chips} chip(s), tp={st.tp}) layers "
+              f"{p.layers[0]}..{p.layers[-1]}: {sum(1 for _ in p.fwd.nodes())} fwd / "
+              f"{sum(1 for _ in p.bwd.nodes())} bwd ops")
+    print(f"wrote {res.out_dir}/ in {res.seconds:.1f} s")
+    return 0
