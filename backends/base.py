@@ -71,4 +71,15 @@ def get_backend(name: str, **options):
 
 
 BACKENDS = ("torch", "numpy")
+
+# A chip's `backend` in a cluster file names its software stack; this is the op library and
+# device that run it here. Stacks without an op library in this repository (Ascend CANN, Habana)
+# can be planned and compiled (--dry-run) but not run.
+STACKS = {"torch": ("torch", "cpu"), "numpy": ("numpy", None), "cuda": ("torch", "cuda"),
+          "rocm": ("torch", "cuda")}
+
+
+def resolve_stack(stack: str) -> tuple[str, str | None] | None:
+    """(op library, device) for a chip's software stack, or None if no op library here."""
+    return STACKS.get(stack)
 KernelTable = dict[str, Callable]

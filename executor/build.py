@@ -16,6 +16,7 @@ SUPPORTED_FORMATS = ("h2-build/1",)
 class StageArtifacts:
     index: int
     backend: str
+    device: str | None
     dtype_policy: str
     fwd: object             # h2ir Graph
     bwd: object
@@ -54,7 +55,7 @@ class BuildDir:
         st = self.manifest["stages"][s]
         sig = json.loads((self.path / st["signature"]).read_text())
         return StageArtifacts(
-            index=s, backend=st["backend"], dtype_policy=st.get("dtype_policy", "fp32"),
+            index=s, backend=st["backend"], device=st.get("device"), dtype_policy=st.get("dtype_policy", "fp32"),
             fwd=load_graph(str(self.path / st["fwd"])), bwd=load_graph(str(self.path / st["bwd"])),
             sig=sig, weights=self.path / st["weights"], consts=self.path / st["consts"])
 

@@ -33,7 +33,8 @@ def run_main(argv: list[str]) -> int:
     ap.add_argument("--strict-transport", action="store_true",
                     help="refuse to run if the asked transport is unavailable (default: fall back)")
     ap.add_argument("--timeout", type=float, default=10.0, help="communication timeout, seconds")
-    ap.add_argument("--device", default="cpu", help="torch device for torch-backend stages")
+    ap.add_argument("--device", default=None, help="torch device for torch-backend stages "
+                    "(default: the one compiled in, e.g. cpu)")
     a = ap.parse_args(argv)
     run(a.build, steps=a.steps, data=a.data, json_log=a.json_log, trace=a.trace,
         checkpoint_every=a.checkpoint_every, resume=a.resume, transport=a.transport,

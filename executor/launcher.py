@@ -86,7 +86,7 @@ def predicted_step_time(build: BuildDir):
 def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
         trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
         transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
-        device: str = "cpu", out=print, predict: bool = True) -> RunResult:
+        device: str | None = None, out=print, predict: bool = True) -> RunResult:
     from executor import dicomm
 
     build = BuildDir(build_path)
@@ -128,7 +128,7 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
                "--store-port", str(store.port), "--steps", str(steps), "--start", str(start),
                "--transport", transport, "--status", str(status_path), "--run-dir", str(run_dir),
                "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(ckpt_dir),
-               "--device", device, "--timeout", str(timeout)]
+               "--timeout", str(timeout)] + (["--device", device] if device else [])
         if data:
             cmd += ["--data", data]
         if resume_from:

@@ -71,7 +71,9 @@ class Worker(StreamInterpreter):
         self.m = build.manifest["num_microbatches"]
         st = build.stage(self.stage_idx)
         self.st = st
-        opts = {"device": device, "dtype_policy": st.dtype_policy} if st.backend == "torch" else {}
+        # --device overrides the compiled device (e.g. run a cpu build's torch stages on cuda)
+        dev = device or st.device or "cpu"
+        opts = {"device": dev, "dtype_policy": st.dtype_policy} if st.backend == "torch" else {}
         self.be = get_backend(st.backend, **opts)
         self.stream = build.stream(wid)
         self.sig = st.sig
@@ -259,7 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--resume-from", default=None)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None)
     ap.add_argument("--timeout", type=float, default=10.0)
     a = ap.parse_args(argv)
 

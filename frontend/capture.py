@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import operator
 import io
 import os
 import sys
@@ -154,11 +155,29 @@ class LayerGrouper:
             if b is not None:
                 self.block_of[node.name] = b
         order = [n.name for n in gm.graph.nodes]
-        self.pos = {n: i for i, n in enumerate(order)}
-        inside = [self.pos[n] for n in self.block_of]
-        self.first = min(inside) if inside else len(order)
-        self.last = max(inside) if inside else -1
-        self.current = None
+        pos = {n: i for i, n in enumerate(order)}
+        inside = [pos[n] for n in self.block_of]
+        first = min(inside) if inside else len(order)
+        last = max(inside) if inside else -1
+        # node name -> (layer name, kind, attrs), decided once in graph order
+        self.assign: dict[str, tuple] = {}
+        current = 0
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:     # follows the node it unpacks
+                self.assign[node.name] = self.assign[node.args[0].name]
+                continue
+            b = self.block_of.get(node.name)
+            if b is None and pos[node.name] < first:
+                self.assign[node.name] = ("embed", "embedding", {})
+                continue
+            if b is None and pos[node.name] > last:
+                self.assign[node.name] = ("head", "head", {})
+                continue
+            current = b if b is not None else current    # glue between blocks joins the previous
+            kind, attrs = self.kinds[current]
+            self.assign[node.name] = (f"block.{current}", kind, attrs)
 
     def _block(self, node) -> int | None:
         if not self.blocks:
@@ -172,18 +191,8 @@ class LayerGrouper:
                     return int(idx)
         return None
 
-    def __call__(self, node):
-        b = self.block_of.get(node.name)
-        pos = self.pos[node.name]
-        if b is None:
-            if pos < self.first:
-                return "embed", "embedding", {}
-            if pos > self.last:
-                return "head", "head", {}
-            b = self.current if self.current is not None else 0   # glue between blocks
-        self.current = b
-        kind, attrs = self.kinds[b]
-        return f"block.{b}", kind, attrs
+    def __call__(self, node) -> tuple:
+        return self.assign[node.name]
 
 
 # ---- tracing -------------------------------------------------------------------------------------
@@ -229,7 +238,8 @@ def _aten_from_symbolic(model, gm, example):
         with torch.nn.utils.stateless._reparametrize_module(gm, {**p, **b}):
             return _SDPAInterpreter(gm).run(*ins)
 
-    with fx_traceback.preserve_node_meta():
+    # no_grad: autograd's own bookkeeping (detach of saved outputs) must not enter the graph
+    with fx_traceback.preserve_node_meta(), torch.no_grad():
         agm = make_fx(run)(*params.values(), *buffers.values(), *example)
     ph = [n for n in agm.graph.nodes if n.op == "placeholder"]
     pmap = {n.name: pnames[i] for i, n in enumerate(ph[:len(pnames)])}
@@ -304,8 +314,23 @@ def _model_dims(model: nn.Module) -> dict:
     return d
 
 
-def capture(path: str, model_args: dict | None = None, micro_batch: int = 1, seq_len: int = 128,
-            model: nn.Module | None = None) -> Graph:
+@dataclass
+class Capture:
+    """Everything the frontend learned about a model: later steps read the IR, the compiler
+    also splits `aten` (the ATen-level fx graph) at layer boundaries."""
+    model_file: ModelFile
+    model: nn.Module
+    aten: torch.fx.GraphModule
+    params: dict            # placeholder name -> parameter FQN
+    buffers: dict           # placeholder name -> buffer FQN
+    inputs: dict            # placeholder name -> model input name
+    layer_of: "LayerGrouper"
+    graph: Graph
+    how: str                # 'symbolic_trace' or 'torch.export'
+
+
+def trace_model(path: str, model_args: dict | None = None, micro_batch: int = 1, seq_len: int = 128,
+                model: nn.Module | None = None) -> Capture:
     """Trace a model file into h2ir (on the meta device unless a built `model` is given)."""
     mf = load_model_file(path)
     model_args = model_args or {}
@@ -314,13 +339,20 @@ def capture(path: str, model_args: dict | None = None, micro_batch: int = 1, seq
             model = mf.build(model_args)
         example = mf.example_inputs(micro_batch, seq_len)
     example = tuple(e.to("meta") if isinstance(e, torch.Tensor) else e for e in example)
-    agm, pmap, bmap, imap = trace_aten(model, example, path)[:4]
+    agm, pmap, bmap, imap, how = trace_aten(model, example, path)
     names = _input_names(model, len(imap))
     imap = {k: names[i] for i, k in enumerate(imap)}
     attrs = {"micro_batch": micro_batch, "seq_len": seq_len, **_model_dims(model)}
-    g = lower_fx(agm, mf.name, inputs=imap, params=pmap, consts=bmap,
-                 layer_of=LayerGrouper(model, agm), attrs=attrs, file=path)
-    return g
+    grouper = LayerGrouper(model, agm)
+    g = lower_fx(agm, mf.name, inputs=imap, params=pmap, consts=bmap, layer_of=grouper,
+                 attrs=attrs, file=path)
+    return Capture(mf, model, agm, pmap, bmap, imap, grouper, g, how)
+
+
+def capture(path: str, model_args: dict | None = None, micro_batch: int = 1, seq_len: int = 128,
+            model: nn.Module | None = None) -> Graph:
+    """The h2ir graph of a model file (see `trace_model`)."""
+    return trace_model(path, model_args, micro_batch, seq_len, model).graph
 
 
 def model_costs(model_path: str, model_args: dict | None = None, micro_batch: int = 1,

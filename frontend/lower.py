@@ -385,12 +385,13 @@ def op_name(target) -> str:
 
 def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict, consts: dict,
              layer_of: Callable[[torch.fx.Node], tuple], attrs: dict | None = None,
-             file: str | None = None) -> Graph:
+             file: str | None = None, prefix: str = "") -> Graph:
     """Lower an ATen-level fx graph to h2ir.
 
     inputs/params/consts map placeholder (or get_attr) node names to h2ir value names.
     `layer_of(node)` gives (layer_name, kind, layer_attrs) for each call node; nodes are appended
-    to layers in graph order (a new layer starts when the name changes).
+    to layers in graph order (a new layer starts when the name changes). `prefix` is put before
+    the names of computed values (so programs lowered separately can be joined).
     """
     g = Graph(name=name, attrs=dict(attrs or {}))
     gm.graph.eliminate_dead_code()
@@ -424,6 +425,10 @@ def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict,
                 g.consts.append(v)
                 env[node.name] = v
             elif key in inputs:
+                same = [x for x in g.inputs if x.name == inputs[key]]
+                if same:                      # one value passed twice (e.g. saved twice)
+                    env[node.name] = same[0]
+                    continue
                 v = Value(namer(inputs[key]), tensor_type(val))
                 g.inputs.append(v)
                 env[node.name] = v
@@ -476,7 +481,7 @@ def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict,
                 file, hint=(f"at {src.line}\n  " if src.line else "") +
                 "add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) "
                 "or rewrite the model with supported ops")
-        em.hint = node.name
+        em.hint = prefix + node.name
         em.nodes = layer.nodes
         try:
             if getattr(fn, "wants_out", False):

@@ -129,134 +129,307 @@ def _val(cap: Capture, name: str):
     raise KeyError(name)
 
 
-def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=None,
-                         name: str = "model") -> list[StageProgram]:
-    """Forward/backward h2ir programs for every stage (AOTAutograd on the meta device)."""
-    loss_fn = loss_fn or cap.model_file.loss_fn()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    progs = []
-    S = len(stage_layers)
-    for s, (gm, ins, outs, passthrough, params, bufs) in enumerate(split_stages(cap, stage_layers)):
-        last = s == S - 1
-        computed_outs = [k for k in outs if k not in passthrough]
-        example = [_val(cap, k) for k in ins] + [_val(cap, p) for p in params] + \
-                  [_val(cap, b) for b in bufs]
-        n_args = len(example)
-        if last:
-            out_val = _val(cap, computed_outs[0])
-            example.append(torch.empty(out_val.shape[:-1], dtype=torch.long, device="meta"))
-        # Fake CPU tensors: CPU kernels' dispatch (flash attention, nll_loss autograd) without
-        # allocating a byte, so a 100 B-parameter model compiles here too.
-        args = []
+# ---- one layer at a time: AOTAutograd once per distinct layer structure -------------------------
+
+@dataclass
+class _Unit:
+    """One model layer's fx module with its boundary (what split_stages gives per layer)."""
+    layer: str
+    gm: torch.fx.GraphModule
+    ins: list
+    outs: list
+    passthrough: list
+    params: list        # placeholder names (cap.params keys)
+    bufs: list          # placeholder names (cap.buffers keys)
+    last: bool
+
+
+@dataclass
+class _Traced:
+    """AOTAutograd's forward/backward graphs of one layer structure (shared by identical layers)."""
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    n_out: int
+    tangent_pos: list   # positions (among computed outputs) whose gradient the backward takes
+    grad_pos: list      # positions (among primals) whose gradient the backward returns
+    bw_saved_pos: list  # for each backward placeholder that is a saved value: fw output position
+
+
+def _signature(u: _Unit) -> tuple:
+    """Structure of a layer up to the names of its values: equal signatures, equal programs."""
+    index = {}
+    sig = [u.last, len(u.ins), len(u.params), len(u.bufs)]
+    for i, n in enumerate(u.gm.graph.nodes):
+        index[n] = i
+        val = n.meta.get("val")
+        vt = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
+        sig.append((n.op, str(n.target) if n.op != "placeholder" else "", repr(args), vt))
+    return tuple(sig)
+
+
+def _aot(cap: Capture, u: _Unit, loss_fn, fake_mode) -> _Traced:
+    example = [_val(cap, k) for k in u.ins] + [_val(cap, p) for p in u.params] + \
+              [_val(cap, b) for b in u.bufs]
+    n_args = len(example)
+    computed = [k for k in u.outs if k not in u.passthrough]
+    if u.last:
+        out_val = _val(cap, computed[0])
+        example.append(torch.empty(out_val.shape[:-1], dtype=torch.long, device="meta"))
+    # Fake CPU tensors: CPU kernels' dispatch (flash attention, nll_loss autograd) without
+    # allocating a byte, so a 100 B-parameter model compiles here too.
+    args = []
+    with fake_mode:
+        for i, v in enumerate(example):
+            t = torch.empty(v.shape, dtype=v.dtype, device="cpu")
+            if t.is_floating_point() and i < len(u.ins) + len(u.params):
+                t.requires_grad_(True)
+            args.append(t)
+    captured = {}
+
+    def fw_compiler(fgm, example_inputs):
+        captured["fw"] = fgm
+        return make_boxed_func(fgm.forward)
+
+    def bw_compiler(bgm, example_inputs):
+        captured["bw"] = bgm
+        return make_boxed_func(bgm.forward)
+
+    gm = u.gm
+    if u.last:
+        def fn(*a):
+            res = gm(*a[:n_args])
+            res = res[0] if isinstance(res, (tuple, list)) else res
+            return loss_fn(res, a[n_args])
+    else:
+        def fn(*a):
+            return tuple(gm(*a))
+
+    compiled = aot_function(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                            partition_fn=default_partition, decompositions={})
+    result = compiled(*args)
+    results = [result] if u.last else list(result)
+    need = [r for r in results if isinstance(r, torch.Tensor) and r.requires_grad]
+    if need:
         with fake_mode:
-            for i, v in enumerate(example):
-                t = torch.empty(v.shape, dtype=v.dtype, device="cpu")
-                if t.is_floating_point() and i < len(ins) + len(params):
-                    t.requires_grad_(True)
-                args.append(t)
-
-        captured = {}
-
-        def fw_compiler(fgm, example_inputs):
-            captured["fw"] = fgm
-            return make_boxed_func(fgm.forward)
-
-        def bw_compiler(bgm, example_inputs):
-            captured["bw"] = bgm
-            return make_boxed_func(bgm.forward)
-
-        if last:
-            def fn(*a):
-                res = gm(*a[:n_args])
-                res = res[0] if isinstance(res, (tuple, list)) else res
-                return loss_fn(res, a[n_args])
-        else:
-            def fn(*a):
-                return tuple(gm(*a))
-
-        compiled = aot_function(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                partition_fn=default_partition, decompositions={})
-        result = compiled(*args)
-        results = [result] if last else list(result)
-        grads_needed = [r for r in results if isinstance(r, torch.Tensor) and r.requires_grad]
-        if grads_needed:
-            with fake_mode:
-                torch.autograd.backward(grads_needed, [torch.ones_like(r) for r in grads_needed])
-        if "bw" not in captured:
-            raise H2Error(f"stage {s} has no backward (no parameter or input needs a gradient)")
-        out_names = ["loss"] if last else computed_outs
-        tangents = [k for k, r in zip(out_names, results)
-                    if isinstance(r, torch.Tensor) and r.requires_grad]
-        progs.append(_lower_stage(cap, s, stage_layers[s], captured["fw"], captured["bw"], ins,
-                                  out_names, passthrough, params, bufs, last, tangents, args, name))
-    return progs
-
-
-def _lower_stage(cap, s, layers, fw, bw, ins, out_names, passthrough, params, bufs, last,
-                 tangents, args, name) -> StageProgram:
-    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    primal_names = list(ins) + [cap.params[p] for p in params] + [cap.buffers[b] for b in bufs] + \
-        (["targets"] if last else [])
-    inputs = {ph.name: primal_names[i] for i, ph in enumerate(fw_ph)}
-    pmap = {ph.name: primal_names[i] for i, ph in enumerate(fw_ph)
-            if len(ins) <= i < len(ins) + len(params)}
-    cmap = {ph.name: primal_names[i] for i, ph in enumerate(fw_ph)
-            if len(ins) + len(params) <= i < len(ins) + len(params) + len(bufs)}
-    imap = {k: v for k, v in inputs.items() if k not in pmap and k not in cmap}
-
-    def one_layer(tag):
-        return lambda node: (f"stage{s}.{tag}", "program", {"layers": list(layers)})
-
-    fwd = lower_fx(fw, f"{name}.stage{s}.fwd", inputs=imap, params=pmap, consts=cmap,
-                   layer_of=one_layer("fwd"), attrs={"stage": s})
-    # forward outputs: the stage's outputs, then the values the backward saves
-    n_out = len(out_names)
-    # rename the user-visible outputs so the next stage's inputs carry the same names
-    for v, k in zip(fwd.outputs[:n_out], out_names):
-        if v.name != k and not any(x is v for x in fwd.inputs + fwd.params + fwd.consts):
-            _rename(fwd, v, k)
-    saved = [v.name for v in fwd.outputs[n_out:]]
+            torch.autograd.backward(need, [torch.ones_like(r) for r in need])
+    tangent_pos = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor) and r.requires_grad]
+    if "bw" not in captured:       # nothing to differentiate (e.g. a layer of buffers only)
+        return _Traced(captured["fw"], None, len(results), [], [], [])
+    bw = captured["bw"]
     bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    n_saved = len([n for n in bw_ph if not n.name.startswith("tangents")])
+    bw_out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+    grad_pos = [i for i, o in enumerate(bw_out) if o is not None]
+    return _Traced(captured["fw"], bw, len(results), tangent_pos, grad_pos,
+                   list(range(len(results), len(results) + n_saved)))
+
+
+@dataclass
+class _LayerProgram:
+    fwd: Graph
+    bwd: Graph | None
+    out_names: list         # computed outputs ('loss' for the loss layer)
+    saved: list             # names of forward outputs the backward reads
+    tangents: list          # output names whose gradient the backward takes
+    grads: list             # primal names whose gradient the backward returns (order of bwd outputs)
+
+
+def _lower_layer(cap: Capture, u: _Unit, t: _Traced, tag: str) -> _LayerProgram:
+    primals = list(u.ins) + [cap.params[p] for p in u.params] + [cap.buffers[b] for b in u.bufs] + \
+        (["targets"] if u.last else [])
+    fw_ph = [n for n in t.fw.graph.nodes if n.op == "placeholder"]
+    np_, nb = len(u.params), len(u.bufs)
+    ni = len(u.ins)
+    pmap = {ph.name: primals[i] for i, ph in enumerate(fw_ph) if ni <= i < ni + np_}
+    cmap = {ph.name: primals[i] for i, ph in enumerate(fw_ph) if ni + np_ <= i < ni + np_ + nb}
+    imap = {ph.name: primals[i] for i, ph in enumerate(fw_ph) if ph.name not in pmap and ph.name not in cmap}
+    layer = lambda node: (u.layer, "program", {})      # noqa: E731
+    fwd = lower_fx(t.fw, "fwd", inputs=imap, params=pmap, consts=cmap, layer_of=layer,
+                   prefix=f"{tag}.")
+    out_names = ["loss"] if u.last else [k for k in u.outs if k not in u.passthrough]
+    for v, k in zip(fwd.outputs[:t.n_out], out_names):
+        if not any(x is v for x in fwd.inputs + fwd.consts + fwd.all_params()):
+            v.name = k
+    saved_vals = fwd.outputs[t.n_out:]
+    if t.bw is None:
+        return _LayerProgram(fwd, None, out_names, [], [], [])
+    bw_ph = [n for n in t.bw.graph.nodes if n.op == "placeholder"]
     saved_ph = [n for n in bw_ph if not n.name.startswith("tangents")]
     tangent_ph = [n for n in bw_ph if n.name.startswith("tangents")]
-    if len(saved_ph) != len(saved) or len(tangent_ph) != len(tangents):
-        raise H2Error(f"internal: stage {s} backward takes {len(saved_ph)} saved values and "
-                      f"{len(tangent_ph)} gradients; forward saves {len(saved)} and has "
-                      f"{len(tangents)} differentiable outputs")
-    # a value saved twice arrives twice: keep one placeholder per saved name
-    first: dict[str, torch.fx.Node] = {}
-    for i, ph in enumerate(saved_ph):
-        if saved[i] in first:
-            ph.replace_all_uses_with(first[saved[i]])
-            bw.graph.erase_node(ph)
-        else:
-            first[saved[i]] = ph
-    bmap = {ph.name: k for k, ph in first.items()}
-    saved = list(first)
+    tangents = [out_names[i] for i in t.tangent_pos]
+    bmap = {ph.name: saved_vals[i].name for i, ph in enumerate(saved_ph)}
     bmap.update({ph.name: f"grad.{tangents[i]}" for i, ph in enumerate(tangent_ph)})
-    bw_out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
-    input_grads = [primal_names[i] for i, o in enumerate(bw_out) if o is not None]
-    bwd = lower_fx(bw, f"{name}.stage{s}.bwd", inputs=bmap, params={}, consts={},
-                   layer_of=one_layer("bwd"), attrs={"stage": s})
-    # the program's outputs carry the names of the gradients they are
-    for v, k in zip(bwd.outputs, input_grads):
-        if not any(x is v for x in bwd.inputs):
-            _rename(bwd, v, f"grad.{k}")
-    fwd.verify()
-    bwd.verify()
-    in_types = {k: str(tensor_type(a)) for k, a in zip(primal_names, args)}
-    out_types = {v.name: str(v.type) for v in fwd.outputs[:n_out]}
-    return StageProgram(
-        index=s, layers=list(layers), fwd=fwd, bwd=bwd, inputs=list(ins), outputs=list(out_names),
-        passthrough=list(passthrough), params=[cap.params[p] for p in params],
-        consts=[cap.buffers[b] for b in bufs], saved=saved, tangents=tangents,
-        input_grads=input_grads, input_types=in_types, output_types=out_types)
+    bwd = lower_fx(t.bw, "bwd", inputs=bmap, params={}, consts={}, layer_of=layer,
+                   prefix=f"{tag}.g.")
+    grads = [primals[i] for i in t.grad_pos]
+    return _LayerProgram(fwd, bwd, out_names, [v.name for v in saved_vals], tangents, grads)
 
 
-def _rename(g: Graph, v, new: str):
-    taken = {x.name for x in g.inputs + g.consts + g.all_params()} | \
-            {o.name for n in g.nodes() for o in n.outputs}
-    if new in taken and v.name != new:
-        raise H2Error(f"internal: cannot rename %{v.name} to %{new}: name taken")
-    v.name = new
+# ---- composing layer programs into stage programs ------------------------------------------------
+
+def _compose(name: str, s: int, unit_progs: list[_LayerProgram], stage_ins: list, stage_outs: list,
+             passthrough: list, in_types: dict, last: bool) -> tuple[Graph, Graph, dict]:
+    from h2ir.graph import Layer, Node, Value
+    from h2ir.types import TensorType
+
+    # forward: layers in order; boundary values are shared by name
+    fwd = Graph(name=f"{name}.stage{s}.fwd", attrs={"stage": s})
+    env: dict[str, Value] = {}
+    for k in stage_ins + (["targets"] if last else []):
+        v = Value(k, in_types[k])
+        fwd.inputs.append(v)
+        env[k] = v
+    saved: list[str] = []
+    for lp in unit_progs:
+        g = lp.fwd
+        for c in g.consts:
+            if c.name not in env:
+                fwd.consts.append(c)
+                env[c.name] = c
+        for v in g.inputs:
+            if v.name not in env:
+                raise H2Error(f"internal: stage {s} input %{v.name} of layer "
+                              f"{g.layers[0].name if g.layers else '?'} is not defined")
+        layer = Layer(g.layers[0].name if g.layers else lp.out_names[0], "program")
+        for gl in g.layers:
+            layer.params += gl.params
+            for p in gl.params:
+                env[p.name] = p
+            for n in gl.nodes:
+                n.inputs = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]
+                layer.nodes.append(n)
+                for o in n.outputs:
+                    env[o.name] = o
+        fwd.layers.append(layer)
+        for v in g.outputs:          # outputs of an identity layer may be its inputs
+            env.setdefault(v.name, v)
+        for k in lp.saved:
+            if k not in saved:
+                saved.append(k)
+    computed_outs = ["loss"] if last else [k for k in stage_outs if k not in passthrough]
+    fwd.outputs = [env[k] for k in computed_outs] + [env[k] for k in saved]
+
+    # backward: layers in reverse; gradients of values used by several layers are summed
+    bwd = Graph(name=f"{name}.stage{s}.bwd", attrs={"stage": s})
+    benv: dict[str, Value] = {}
+    for k in saved:
+        v = Value(k, env[k].type)
+        bwd.inputs.append(v)
+        benv[k] = v
+    grad: dict[str, Value] = {}
+    stage_tangents = []
+    producer_layer = {}
+    for lp in unit_progs:
+        for k in lp.out_names:
+            producer_layer[k] = lp
+    for k in computed_outs:
+        lp = producer_layer[k]
+        if k in lp.tangents:
+            v = Value(f"grad.{k}", env[k].type)
+            bwd.inputs.append(v)
+            grad[k] = v
+            stage_tangents.append(k)
+    layers_rev = []
+    for lp in reversed(unit_progs):
+        if lp.bwd is None:
+            continue
+        g = lp.bwd
+        layer = Layer(g.layers[0].name if g.layers else "?", "program")
+        local: dict[str, Value] = {}
+        extra = []
+        for v in g.inputs:
+            if v.name.startswith("grad."):
+                k = v.name[5:]
+                if k not in grad:   # no gradient flows into it downstream: zeros
+                    z = Value(f"{v.name}.zero", v.type)
+                    extra.append(Node("full", [], {"shape": list(v.type.shape), "value": 0.0,
+                                                   "dtype": v.type.dtype}, [z]))
+                    grad[k] = z
+                local[v.name] = grad[k]
+            else:
+                local[v.name] = benv[v.name]
+        layer.nodes += extra
+        for gl in g.layers:
+            for n in gl.nodes:
+                n.inputs = [local.get(v.name, v) if isinstance(v, Value) else v for v in n.inputs]
+                layer.nodes.append(n)
+        for k, v in zip(lp.grads, g.outputs):
+            v = local.get(v.name, v)
+            if k in grad:           # a value read by several layers: sum its gradients
+                acc = Value(f"{layer.name}.acc.{k}", v.type)
+                layer.nodes.append(Node("add", [grad[k], v], {}, [acc]))
+                grad[k] = acc
+            else:
+                grad[k] = v
+        layers_rev.append(layer)
+    bwd.layers = layers_rev
+    param_names = [p.name for l in fwd.layers for p in l.params]
+    input_grads = [k for k in stage_ins if k in grad] + [k for k in param_names if k in grad]
+    bwd.outputs = [grad[k] for k in input_grads]
+    for k, v in zip(input_grads, bwd.outputs):
+        if not any(x is v for x in bwd.inputs) and not v.name.startswith("grad."):
+            v.name = f"grad.{k}"
+    _unique_names(bwd)
+    info = {"saved": saved, "tangents": ["loss"] if last else stage_tangents,
+            "input_grads": input_grads, "params": param_names,
+            "consts": [c.name for c in fwd.consts],
+            "output_types": {k: str(env[k].type) for k in computed_outs}}
+    return fwd, bwd, info
+
+
+def _unique_names(g: Graph):
+    """Renaming outputs can collide with another value's name; make every name unique again."""
+    seen = {v.name for v in g.inputs + g.consts + g.all_params()}
+    for n in g.nodes():
+        for v in n.outputs:
+            base, i = v.name, 1
+            while v.name in seen:
+                v.name = f"{base}_{i}"
+                i += 1
+            seen.add(v.name)
+
+
+def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=None,
+                         name: str = "model") -> list[StageProgram]:
+    """Forward/backward h2ir programs for every stage.
+
+    AOTAutograd runs once per distinct layer structure (all blocks of a LLaMA are one), on fake
+    tensors; the layer programs are then joined into stage programs. This keeps compiling a
+    96-layer model about as cheap as compiling three layers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    loss_fn = loss_fn or cap.model_file.loss_fn()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    flat = [l for st in stage_layers for l in st]
+    unit_parts = split_stages(cap, [[l] for l in flat])
+    units = [_Unit(l, gm, ins, outs, pt, ps, bs, i == len(flat) - 1)
+             for i, (l, (gm, ins, outs, pt, ps, bs)) in enumerate(zip(flat, unit_parts))]
+    traced: dict[tuple, _Traced] = {}
+    lprogs = []
+    for u in units:
+        sig = _signature(u)
+        if sig not in traced:
+            traced[sig] = _aot(cap, u, loss_fn, fake_mode)
+        lprogs.append(_lower_layer(cap, u, traced[sig], u.layer))
+    stages = split_stages(cap, stage_layers)
+    progs, i = [], 0
+    for s, (gm, ins, outs, passthrough, params, bufs) in enumerate(stages):
+        n = len(stage_layers[s])
+        last = s == len(stages) - 1
+        in_types = {k: tensor_type(_val(cap, k)) for k in ins}
+        if last:
+            out_val = _val(cap, [k for k in outs if k not in passthrough][0])
+            from h2ir.types import TensorType
+            in_types["targets"] = TensorType("i64", tuple(out_val.shape[:-1]))
+        fwd, bwd, info = _compose(name, s, lprogs[i:i + n], ins, outs, passthrough, in_types, last)
+        i += n
+        fwd.verify()
+        bwd.verify()
+        progs.append(StageProgram(
+            index=s, layers=list(stage_layers[s]), fwd=fwd, bwd=bwd, inputs=list(ins),
+            outputs=["loss"] if last else list(outs), passthrough=list(passthrough),
+            params=info["params"], consts=info["consts"], saved=info["saved"],
+            tangents=info["tangents"], input_grads=info["input_grads"],
+            input_types={k: str(v) for k, v in in_types.items()},
+            output_types=info["output_types"]))
+    return progs

@@ -79,10 +79,21 @@ def _executable_check(plan, cluster):
                       plan.source, plan.moe.line or None)
 
 
-def lowering_record(prog_fwd, prog_bwd, backend_name: str, stage: int, dtype_policy: str) -> dict:
+def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: str,
+                    dry_run: bool) -> dict:
     """Bind a stage's programs to a backend's kernels; an op the backend lacks is an error now,
     not a crash at step 500."""
-    from backends.base import get_backend, missing_kernels
+    from backends.base import get_backend, missing_kernels, resolve_stack
+    resolved = resolve_stack(stack)
+    used = sorted(prog_fwd.ops_used() | prog_bwd.ops_used())
+    if resolved is None:
+        if not dry_run:
+            raise H2Error(f"stage {stage} runs on the '{stack}' software stack, which has no op "
+                          "library here (available: torch, numpy, cuda, rocm); compile with "
+                          "--dry-run to plan it")
+        return {"backend": stack, "stage": stage, "dtype_policy": dtype_policy, "ops": used,
+                "capability_check": f"skipped: no op library for '{stack}' in this installation"}
+    backend_name, device = resolved
     be = get_backend(backend_name)
     missing = sorted(missing_kernels(prog_fwd, be) | missing_kernels(prog_bwd, be))
     if missing:
@@ -90,10 +101,9 @@ def lowering_record(prog_fwd, prog_bwd, backend_name: str, stage: int, dtype_pol
                       f"for op(s): {', '.join(missing)}",
                       hint="place the stage on another chip type, or add the kernels to "
                            f"backends/{backend_name}/")
-    used = sorted(prog_fwd.ops_used() | prog_bwd.ops_used())
     kernels = {op: f"{getattr(be.ops[op], '__module__', '?')}.{getattr(be.ops[op], '__qualname__', op)}"
                for op in used}
-    return {"backend": backend_name, "stage": stage, "dtype_policy": dtype_policy,
+    return {"backend": backend_name, "device": device, "stage": stage, "dtype_policy": dtype_policy,
             "capability_check": "passed", "ops": used, "kernels": kernels}
 
 
@@ -135,12 +145,13 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
 
     out = Path(out_dir)
     if out.exists():
-        if not (out / "manifest.json").exists() and any(out.iterdir()):
+        if not (out / ".h2-build").exists() and any(out.iterdir()):
             raise H2Error(f"output directory {out} exists and is not an h2 build directory; "
                           "refusing to overwrite it")
         shutil.rmtree(out)
     for sub in ("stages", "lowered", "streams") + (() if dry_run else ("weights",)):
         (out / sub).mkdir(parents=True, exist_ok=True)
+    (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
 
     stage_layers = [list(s.layers) for s in plan.stages]
     progs = build_stage_programs(cap, stage_layers, name=cap.model_file.name)
@@ -153,7 +164,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     stages_meta = []
     for p, st in zip(progs, plan.stages):
         chip = cluster.chip(st.chip)
-        policy = "bf16" if cluster.dtype == "bf16" and chip.backend == "torch" else "fp32"
+        policy = "bf16" if cluster.dtype == "bf16" and chip.backend != "numpy" else "fp32"
         if cluster.dtype in ("bf16", "fp16") and chip.backend == "numpy":
             log(f"warning: stage {p.index} runs on numpy, which computes in fp32 "
                 f"(cluster dtype {cluster.dtype})")
@@ -161,12 +172,13 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         (out / f"stages/stage{s}.fwd.h2ir").write_text(print_graph(p.fwd))
         (out / f"stages/stage{s}.bwd.h2ir").write_text(print_graph(p.bwd))
         (out / f"stages/stage{s}.json").write_text(json.dumps(p.meta(), indent=1))
-        low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy)
-        (out / f"lowered/stage{s}.{chip.backend}.json").write_text(json.dumps(low, indent=1))
+        low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy, dry_run)
+        (out / f"lowered/stage{s}.{low['backend']}.json").write_text(json.dumps(low, indent=1))
         stages_meta.append({
-            "index": s, "chip": st.chip, "backend": chip.backend, "dtype_policy": policy,
+            "index": s, "chip": st.chip, "backend": low["backend"], "device": low.get("device"),
+            "stack": chip.backend, "dtype_policy": policy,
             "layers": p.layers, "fwd": f"stages/stage{s}.fwd.h2ir", "bwd": f"stages/stage{s}.bwd.h2ir",
-            "signature": f"stages/stage{s}.json", "lowered": f"lowered/stage{s}.{chip.backend}.json",
+            "signature": f"stages/stage{s}.json", "lowered": f"lowered/stage{s}.{low['backend']}.json",
             "weights": None if dry_run else f"weights/stage{s}.safetensors",
             "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
             "params": len(p.params),
