@@ -1,0 +1,529 @@
+"""`h2c check-ops`: op-level accuracy of a backend against a float64 reference.
+
+H2's bottom-up accuracy alignment (DiTorch, arXiv 2505.17548, Sec. 3.1) starts at the single
+operator: before a chip trains anything, every kernel of its op library must agree with a trusted
+reference on fresh random inputs. For every op of the h2ir op set that a backend implements
+(COMM and MOE ops are executed by the runtime, not by kernels), this module
+
+1. draws inputs from the op's spec below (seeded per op; realistic shapes; valid indices for
+   embedding/nll_loss; positive inputs for log/sqrt/rsqrt; distinct values for topk),
+2. rounds the floating inputs to the dtype under test and runs the backend's kernel on them,
+3. runs the same op on the *rounded* inputs in float64 with torch eager (the ATen function
+   itself, e.g. `_scaled_dot_product_flash_attention_for_cpu`), so the error measured is the
+   kernel's, not the inputs' quantisation,
+4. compares with allclose semantics: |out - ref| <= atol + rtol * |ref| per element, with the
+   tolerances of TOLERANCE (integer and bool results must match exactly), and checks each result's
+   shape and dtype against the op set's type rule.
+
+Reported errors: max abs error over all elements; max rel error |out - ref| / |ref| over the
+elements with |ref| > atol (near zero the absolute tolerance is what applies).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from h2ir import opset
+from h2ir.errors import H2Error
+from h2ir.opset import Group
+from h2ir.types import TensorType
+
+aten = torch.ops.aten
+
+# dtype -> (atol, rtol). fp32 is DIOPI's (atol = rtol = 1e-5). bf16/f16 take torch.testing's
+# default rtol for the dtype (1.6e-2, 1e-3) with atol raised to the same order: kernels on those
+# chips accumulate in f32 but round every result, so an O(1) result that cancels to ~0 keeps
+# about one ulp of 1.0 (2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for f16) as absolute error.
+# f64 kernels should agree with the f64 reference to round-off: 1e-10 leaves room for
+# reductions over a few thousand terms and NumPy's own erf.
+TOLERANCE = {"f64": (1e-10, 1e-10), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-3),
+             "bf16": (1e-2, 1.6e-2)}
+FLOAT_DTYPES = tuple(TOLERANCE)
+EXCLUDED_GROUPS = (Group.COMM, Group.MOE)      # executed by the runtime and DiComm
+
+_TORCH = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+          "i64": torch.int64, "i32": torch.int32, "i8": torch.int8, "u8": torch.uint8,
+          "bool": torch.bool}
+_NUMPY_H2 = {np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+             np.dtype(np.int64): "i64", np.dtype(np.int32): "i32", np.dtype(np.int8): "i8",
+             np.dtype(np.uint8): "u8", np.dtype(np.bool_): "bool"}
+
+
+def checked_ops() -> list[str]:
+    """The ops a backend's kernel library is meant to cover (the coverage denominator)."""
+    return [n for n, d in opset.OPS.items() if d.group not in EXCLUDED_GROUPS]
+
+
+# ---- input specs ---------------------------------------------------------------------------------
+
+@dataclass
+class Arg:
+    """A tensor input. dtype None: the dtype under test (data is float64 before rounding)."""
+    data: np.ndarray
+    dtype: str | None = None
+
+
+@dataclass
+class Case:
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+
+
+class Draw:
+    """Random inputs for one op (one seeded generator per op, so specs are order-independent)."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, *shape, scale=1.0) -> Arg:
+        return Arg(self.rng.standard_normal(shape) * scale)
+
+    def positive(self, *shape, low=0.1, high=4.0) -> Arg:
+        return Arg(self.rng.uniform(low, high, shape))
+
+    def away_from_zero(self, *shape) -> Arg:
+        return Arg(self.rng.uniform(0.5, 2.0, shape) * self.rng.choice([-1.0, 1.0], shape))
+
+    def ids(self, high: int, *shape) -> Arg:
+        return Arg(self.rng.integers(0, high, shape).astype(np.int64), "i64")
+
+    def mask(self, *shape, p=0.5) -> Arg:
+        return Arg(self.rng.random(shape) < p, "bool")
+
+    def distinct(self, *shape, dim=-1) -> Arg:
+        """Values distinct along `dim` (a random permutation of 0..n-1 there, n <= 256), scaled to
+        multiples of 1/8: exact in bf16 (8 significant bits), so rounding makes no ties."""
+        perm = np.argsort(self.rng.random(shape), axis=dim)
+        return Arg(perm / 8.0 - shape[dim] / 16.0)
+
+    def near(self, a: Arg, p=0.3) -> Arg:
+        """Like `a` but a fraction p of entries equal to a's (so eq/ge/le see ties)."""
+        b = self.rng.standard_normal(a.data.shape)
+        return Arg(np.where(self.rng.random(a.data.shape) < p, a.data, b))
+
+
+def _log_softmax64(x: np.ndarray, dim=-1) -> np.ndarray:
+    return torch.log_softmax(torch.from_numpy(x), dim).numpy()
+
+
+def _attention64(q, k, v, causal, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), 0.0, causal, scale=scale)
+    return out.numpy(), lse.numpy()
+
+
+ATTENTION_CASES = [dict(b=2, h=4, s=64, t=64, d=32, causal=True, scale=None),
+                   dict(b=2, h=4, s=64, t=64, d=32, causal=False, scale=0.3),
+                   dict(b=1, h=2, s=48, t=64, d=16, causal=True, scale=None)]
+
+
+def _attention_cases(r: Draw, backward: bool) -> list[Case]:
+    cases = []
+    for c in ATTENTION_CASES:
+        q, k, v = (r.normal(c["b"], c["h"], n, c["d"]) for n in (c["s"], c["t"], c["t"]))
+        attrs = {"causal": c["causal"], "scale": c["scale"]}
+        if not backward:
+            cases.append(Case([q, k, v], attrs))
+            continue
+        out, lse = _attention64(q.data, k.data, v.data, c["causal"], c["scale"])
+        grad = r.normal(*out.shape)
+        cases.append(Case([grad, q, k, v, Arg(out), Arg(lse, "f32")], attrs))
+    return cases
+
+
+def _nll_cases(r: Draw, backward: bool) -> list[Case]:
+    n, c = 32, 100
+    logp = Arg(_log_softmax64(r.rng.standard_normal((n, c)) * 2))
+    target = r.ids(c, n)
+    target.data[r.rng.choice(n, 4, replace=False)] = -100
+    target0 = r.ids(c, n)                       # ignore_index 0 instead of the default
+    cases = []
+    for red, tgt, ign in (("mean", target, -100), ("sum", target, -100), ("none", target, -100),
+                          ("mean", target0, 0)):
+        attrs = {"reduction": red, "ignore_index": ign}
+        if not backward:
+            cases.append(Case([logp, tgt], attrs))
+            continue
+        grad = r.normal(n) if red == "none" else Arg(np.array(r.rng.uniform(0.5, 2.0)))
+        total = Arg(np.array(float((tgt.data != ign).sum()) if red != "none" else 0.0))
+        cases.append(Case([grad, logp, tgt, total], attrs))
+    return cases
+
+
+def _binary_cases(r: Draw) -> list[Case]:
+    a = r.normal(64, 128)
+    return [Case([a, r.normal(128)]), Case([a, 0.75]), Case([-1.25, a])]
+
+
+def _compare_cases(r: Draw) -> list[Case]:
+    a = r.normal(64, 128)
+    a.data[:, :8] = 0.0
+    return [Case([a, r.near(a)]), Case([a, 0.0]), Case([0.0, a])]
+
+
+def _softmax_bwd_cases(r: Draw, log: bool) -> list[Case]:
+    x = torch.from_numpy(r.rng.standard_normal((16, 256)) * 2)
+    out = torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
+    x0 = torch.from_numpy(r.rng.standard_normal((32, 8)))
+    out0 = torch.log_softmax(x0, 0) if log else torch.softmax(x0, 0)
+    return [Case([r.normal(16, 256), Arg(out.numpy())], {"dim": 1}),
+            Case([r.normal(32, 8), Arg(out0.numpy())], {"dim": 0})]
+
+
+def _unary_cases(draw: str):
+    def cases(r: Draw) -> list[Case]:
+        x = {"normal": lambda: r.normal(64, 128), "wide": lambda: r.normal(64, 128, scale=3.0),
+             "positive": lambda: r.positive(64, 128), "nonzero": lambda: r.away_from_zero(64, 128),
+             "bool": lambda: r.mask(64, 128)}[draw]()
+        return [Case([x])]
+    return cases
+
+
+UNARY_DRAW = {"neg": "normal", "exp": "normal", "log": "positive", "sqrt": "positive",
+              "rsqrt": "positive", "tanh": "wide", "sigmoid": "wide", "relu": "normal",
+              "silu": "wide", "gelu": "wide", "abs": "normal", "reciprocal": "nonzero",
+              "sin": "wide", "cos": "wide", "logical_not": "bool", "copy": "normal"}
+
+SPECS: dict[str, Callable[[Draw], list[Case]]] = {n: _unary_cases(d) for n, d in UNARY_DRAW.items()}
+SPECS.update({
+    "cast": lambda r: [Case([r.normal(64, 128, scale=8.0)], {"dtype": "i64"}),
+                       Case([r.normal(64, 128)], {"dtype": "bool"})],
+    "pow": lambda r: [Case([r.normal(64, 128)], {"exponent": 2}),
+                      Case([r.positive(64, 128)], {"exponent": 0.5}),
+                      Case([r.normal(64, 128)], {"exponent": 3.0})],
+    **{n: _binary_cases for n in ("add", "sub", "mul")},
+    "div": lambda r: [Case([r.normal(64, 128), r.away_from_zero(128)]),
+                      Case([r.normal(64, 128), 3.0]), Case([2.0, r.away_from_zero(64, 128)])],
+    **{n: _compare_cases for n in ("maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge")},
+    **{n: (lambda r: [Case([r.mask(64, 128), r.mask(128)]), Case([r.mask(64, 128), True])])
+       for n in ("logical_and", "logical_or")},
+    "where": lambda r: [Case([r.mask(64, 128), r.normal(64, 128), r.normal(128)]),
+                        Case([r.mask(64, 128), r.normal(64, 128), 0.0])],
+    **{n: (lambda r: [Case([r.normal(8, 16, 32)], {"dims": [2], "keepdim": True}),
+                      Case([r.normal(8, 16, 32)], {"dims": [0, 2]}),
+                      Case([r.normal(8, 16, 32)], {"dims": None})])
+       for n in ("sum", "mean", "amax", "amin")},
+    "reshape": lambda r: [Case([r.normal(8, 16, 32)], {"shape": [8, -1, 4]})],
+    "permute": lambda r: [Case([r.normal(8, 16, 32)], {"dims": [2, 0, 1]})],
+    "transpose": lambda r: [Case([r.normal(8, 16, 32)], {"dim0": 0, "dim1": 2})],
+    "expand": lambda r: [Case([r.normal(16, 1)], {"shape": [4, 16, 32]}),
+                         Case([r.normal(1, 32)], {"shape": [16, -1]})],
+    "slice": lambda r: [Case([r.normal(8, 16, 32)], {"dim": 1, "start": 2, "end": 14, "step": 3}),
+                        Case([r.normal(8, 16, 32)], {"dim": 2, "start": -5})],
+    "select": lambda r: [Case([r.normal(8, 16, 32)], {"dim": 1, "index": 3})],
+    "cat": lambda r: [Case([r.normal(8, 4, 32), r.normal(8, 16, 32), r.normal(8, 1, 32)],
+                           {"dim": 1})],
+    "split": lambda r: [Case([r.normal(8, 16, 32)], {"dim": 2, "sizes": [8, 8, 16]})],
+    "mm": lambda r: [Case([r.normal(64, 96), r.normal(96, 80)])],
+    "bmm": lambda r: [Case([r.normal(4, 32, 48), r.normal(4, 48, 40)])],
+    "attention": lambda r: _attention_cases(r, backward=False),
+    "attention_bwd": lambda r: _attention_cases(r, backward=True),
+    "softmax": lambda r: [Case([r.normal(16, 256, scale=2.0)], {"dim": 1}),
+                          Case([r.normal(32, 8)], {"dim": 0})],
+    "log_softmax": lambda r: [Case([r.normal(16, 256, scale=2.0)], {"dim": 1}),
+                              Case([r.normal(32, 8)], {"dim": 0})],
+    "softmax_bwd": lambda r: _softmax_bwd_cases(r, log=False),
+    "log_softmax_bwd": lambda r: _softmax_bwd_cases(r, log=True),
+    "silu_bwd": lambda r: [Case([r.normal(64, 128), r.normal(64, 128, scale=3.0)])],
+    "tril": lambda r: [Case([r.normal(2, 16, 16)]), Case([r.normal(16, 24)], {"diagonal": -2})],
+    "topk": lambda r: [Case([r.distinct(8, 64)], {"k": 5}), Case([r.distinct(32, 6, dim=0)],
+                                                                   {"k": 3, "dim": 0})],
+    "one_hot": lambda r: [Case([r.ids(10, 4, 16)], {"num_classes": 10})],
+    "embedding": lambda r: [Case([r.normal(100, 32), r.ids(100, 4, 16)])],
+    "embedding_bwd": lambda r: [Case([r.normal(4, 16, 32), r.ids(20, 4, 16)], {"num_weights": 40})],
+    "nll_loss": lambda r: _nll_cases(r, backward=False),
+    "nll_loss_bwd": lambda r: _nll_cases(r, backward=True),
+    "full": lambda r: [Case([], {"shape": [4, 8], "value": 1.5}),
+                       Case([], {"shape": [3], "value": -2})],
+    "arange": lambda r: [Case([], {"start": 2, "end": 50, "step": 3}), Case([], {"end": 17})],
+})
+# creation ops build the dtype under test (their dtype attribute defaults to something else)
+DTYPE_ATTR_OPS = {"full", "arange"}
+
+
+# ---- the float64 reference: torch eager, calling the ATen op directly ----------------------------
+
+def _as_tensors(*xs):
+    t = next(x for x in xs if isinstance(x, torch.Tensor))
+    return [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=t.dtype) for x in xs]
+
+
+def _ref_dtype(h2: str) -> torch.dtype:
+    return torch.float64 if h2 in FLOAT_DTYPES else _TORCH[h2]
+
+
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}
+
+REFERENCE: dict[str, Callable] = {
+    "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu,
+    "gelu": F.gelu, "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
+    "cos": torch.cos, "logical_not": torch.logical_not, "copy": torch.clone,
+    "cast": lambda x, dtype: x.to(_ref_dtype(dtype)),
+    "pow": lambda x, exponent: torch.pow(x, exponent),
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+    "maximum": lambda a, b: torch.maximum(*_as_tensors(a, b)),
+    "minimum": lambda a, b: torch.minimum(*_as_tensors(a, b)),
+    **{n: (lambda fn: lambda a, b: fn(*_as_tensors(a, b)))(getattr(torch, n))
+       for n in ("eq", "ne", "lt", "le", "gt", "ge")},
+    "logical_and": lambda a, b: torch.logical_and(*_as_tensors(a, b)),
+    "logical_or": lambda a, b: torch.logical_or(*_as_tensors(a, b)),
+    "where": lambda c, a, b: torch.where(c, a, b),
+    "sum": lambda x, dims, keepdim: torch.sum(x, dim=dims, keepdim=keepdim),
+    "mean": lambda x, dims, keepdim: torch.mean(x, dim=dims, keepdim=keepdim),
+    "amax": lambda x, dims, keepdim: torch.amax(x, dim=dims if dims is not None else [],
+                                                keepdim=keepdim),
+    "amin": lambda x, dims, keepdim: torch.amin(x, dim=dims if dims is not None else [],
+                                                keepdim=keepdim),
+    "reshape": lambda x, shape: x.reshape(shape),
+    "permute": lambda x, dims: x.permute(dims),
+    "transpose": lambda x, dim0, dim1: x.transpose(dim0, dim1),
+    "expand": lambda x, shape: x.expand(shape),
+    "slice": lambda x, dim, start, end, step: aten.slice(x, dim, start, end, step),
+    "select": lambda x, dim, index: x.select(dim, index),
+    "cat": lambda *xs, dim: torch.cat(xs, dim),
+    "split": lambda x, dim, sizes: torch.split(x, sizes, dim),
+    "mm": torch.mm, "bmm": torch.bmm,
+    "attention": lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale),
+    "attention_bwd": lambda g, q, k, v, o, lse, causal, scale:
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, causal,
+                                                                  scale=scale),
+    "softmax": lambda x, dim: aten._softmax(x, dim, False),
+    "log_softmax": lambda x, dim: aten._log_softmax(x, dim, False),
+    "softmax_bwd": lambda g, out, dim: aten._softmax_backward_data(g, out, dim, out.dtype),
+    "log_softmax_bwd": lambda g, out, dim: aten._log_softmax_backward_data(g, out, dim, out.dtype),
+    "silu_bwd": aten.silu_backward,
+    "tril": lambda x, diagonal: torch.tril(x, diagonal),
+    "topk": lambda x, k, dim: torch.topk(x, k, dim),
+    "one_hot": lambda ids, num_classes: F.one_hot(ids, num_classes),
+    "embedding": lambda w, ids: aten.embedding(w, ids),
+    "embedding_bwd": lambda g, ids, num_weights: aten.embedding_dense_backward(g, ids, num_weights,
+                                                                               -1, False),
+    "nll_loss": lambda logp, t, reduction, ignore_index: aten.nll_loss_forward(
+        logp, t, None, _REDUCTION[reduction], ignore_index),
+    "nll_loss_bwd": lambda g, logp, t, tw, reduction, ignore_index: aten.nll_loss_backward(
+        g, logp, t, None, _REDUCTION[reduction], ignore_index, tw),
+    "full": lambda shape, value, dtype: torch.full(shape, value, dtype=_ref_dtype(dtype)),
+    "arange": lambda start, end, step, dtype: torch.arange(start, end, step,
+                                                           dtype=_ref_dtype(dtype)),
+}
+
+
+# ---- running and comparing -----------------------------------------------------------------------
+
+@dataclass
+class OpResult:
+    op: str
+    dtype: str
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    passed: bool = True
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        d = {"op": self.op, "dtype": self.dtype, "max_abs": self.max_abs, "max_rel": self.max_rel,
+             "pass": self.passed}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+@dataclass
+class CheckReport:
+    backend: str
+    dtype: str
+    results: list                  # OpResult, in op-set order
+    missing: list                  # checked ops the backend has no kernel for
+
+    @property
+    def implemented(self) -> int:
+        return len(self.results)
+
+    @property
+    def total(self) -> int:
+        return len(self.results) + len(self.missing)
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.results if not r.passed]
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "dtype": self.dtype,
+                "coverage": {"implemented": self.implemented, "total": self.total},
+                "ops": [r.to_json() for r in self.results]}
+
+
+def _round_to(data: np.ndarray, dtype: str) -> tuple[np.ndarray, torch.Tensor]:
+    """(host array in `dtype` for the backend, the same values as a reference tensor)."""
+    if dtype in FLOAT_DTYPES:
+        t = torch.from_numpy(np.asarray(data, dtype=np.float64)).to(_TORCH[dtype])
+        host = t.view(torch.uint16).numpy() if dtype == "bf16" else t.numpy()
+        return host, t.to(torch.float64)
+    t = torch.from_numpy(np.asarray(data)).to(_TORCH[dtype])
+    return t.numpy(), t
+
+
+def _host_to_f64(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def _compare(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float, exact: bool):
+    """(max abs err, max rel err, within tolerance). NaNs must sit where the reference has NaNs."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {list(out.shape)}, reference {list(ref.shape)}")
+    if out.size == 0:
+        return 0.0, 0.0, True
+    out, ref = out.astype(np.float64), ref.astype(np.float64)
+    both_nan = np.isnan(out) & np.isnan(ref)
+    with np.errstate(invalid="ignore"):
+        err = np.where(both_nan, 0.0, np.abs(out - ref))
+    err = np.where(np.isnan(err), np.inf, err)
+    big = np.abs(ref) > atol
+    max_rel = float((err[big] / np.abs(ref[big])).max()) if big.any() else 0.0
+    ok = bool(np.all(err == 0)) if exact else bool(np.all(err <= atol + rtol * np.abs(
+        np.where(np.isnan(ref), 0.0, ref))))
+    return float(err.max()), max_rel, ok
+
+
+def _tolerance(test_dtype: str, out_dtype: str) -> tuple[float, float]:
+    """The looser of the dtype under test and the result's dtype (an f32 logsumexp computed from
+    bf16 inputs is held to bf16's tolerance; one computed in an f64 run to f32's)."""
+    a = TOLERANCE.get(test_dtype, (0.0, 0.0))
+    b = TOLERANCE.get(out_dtype, (0.0, 0.0))
+    return max(a[0], b[0]), max(a[1], b[1])
+
+
+def check_op(backend, op: str, dtype: str, seed: int = 0) -> OpResult:
+    """Run every case of `op`'s spec on `backend` at `dtype` and compare with the f64 reference."""
+    res = OpResult(op, dtype)
+    d = opset.get(op)
+    if op not in SPECS or op not in REFERENCE:
+        res.passed, res.error = False, "no input spec/reference in backends/check_ops.py"
+        return res
+    draw = Draw(seed + zlib.crc32(op.encode()))
+    for case in SPECS[op](draw):
+        attrs = {k: v for k, v in d.attrs.items()}
+        attrs.update(case.attrs)
+        if op in DTYPE_ATTR_OPS:
+            attrs["dtype"] = dtype
+        ins, ref_ins, types = [], [], []
+        for x in case.inputs:
+            if isinstance(x, Arg):
+                xdt = x.dtype or dtype
+                host, ref = _round_to(x.data, xdt)
+                ins.append(backend.from_numpy(host, xdt))
+                ref_ins.append(ref.to(torch.float64) if xdt in FLOAT_DTYPES else ref)
+                types.append(TensorType(xdt, host.shape))
+            else:
+                ins.append(x)
+                ref_ins.append(x)
+                types.append(x)
+        try:
+            want = d.infer(types, attrs)
+            got = backend.ops[op](*ins, **attrs)
+            backend.synchronize()
+            got = list(got) if isinstance(got, (tuple, list)) else [got]
+            ref = REFERENCE[op](*ref_ins, **attrs)
+            ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+            if len(got) != len(want):
+                raise AssertionError(f"{len(got)} result(s), the op set declares {len(want)}")
+            for g, r, w in zip(got, ref, want):
+                host = backend.to_numpy(g)
+                host_dt = "bf16" if (w.dtype == "bf16" and host.dtype == np.uint16) else \
+                    _NUMPY_H2.get(host.dtype, str(host.dtype))
+                if host_dt != w.dtype or tuple(host.shape) != w.shape:
+                    raise AssertionError(f"result {host_dt}{list(host.shape)}, the op set "
+                                         f"declares {w}")
+                atol, rtol = _tolerance(dtype, w.dtype)
+                exact = w.dtype not in FLOAT_DTYPES
+                mabs, mrel, ok = _compare(_host_to_f64(host, w.dtype),
+                                          r.detach().to(torch.float64).numpy(), atol, rtol, exact)
+                res.max_abs = max(res.max_abs, mabs)
+                res.max_rel = max(res.max_rel, mrel)
+                res.passed = res.passed and ok
+        except Exception as e:        # a kernel that raises fails its op; the sweep goes on
+            res.passed = False
+            res.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return res
+
+
+def check_backend(backend, dtype: str = "f32", seed: int = 0, ops: list[str] | None = None
+                  ) -> CheckReport:
+    """Check every op of the set (but COMM/MOE) that `backend` implements, at `dtype`."""
+    if dtype not in FLOAT_DTYPES:
+        raise H2Error(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
+    if dtype not in backend.dtypes:
+        raise H2Error(f"backend {backend.name} does not compute in {dtype} (its dtypes: "
+                      f"{', '.join(sorted(backend.dtypes))})")
+    wanted = checked_ops() if ops is None else ops
+    results, missing = [], []
+    for op in wanted:
+        if op in backend.ops:
+            results.append(check_op(backend, op, dtype, seed))
+        else:
+            missing.append(op)
+    return CheckReport(backend.name, dtype, results, missing)
+
+
+def format_report(rep: CheckReport) -> str:
+    lines = [f"check-ops: backend {rep.backend}, dtype {rep.dtype}; reference: torch eager in "
+             f"float64; tolerance atol {_tolerance(rep.dtype, rep.dtype)[0]:g}, "
+             f"rtol {_tolerance(rep.dtype, rep.dtype)[1]:g}",
+             f"{'op':<18}{'dtype':<7}{'max abs err':>13}{'max rel err':>13}  result"]
+    for r in rep.results:
+        status = "pass" if r.passed else "FAIL" + (f"  ({r.error})" if r.error else "")
+        lines.append(f"{r.op:<18}{r.dtype:<7}{r.max_abs:>13.3e}{r.max_rel:>13.3e}  {status}")
+    lines.append(f"coverage: {rep.implemented}/{rep.total} ops implemented (COMM and MOE ops are "
+                 "executed by the runtime, not by kernels)")
+    if rep.missing:
+        lines.append(f"not implemented: {', '.join(rep.missing)}")
+    failed = rep.failed
+    lines.append(f"{len(failed)} op(s) failed: {', '.join(r.op for r in failed)}" if failed
+                 else f"all {rep.implemented} implemented ops pass")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="h2c check-ops", description="Op-level accuracy of a "
+                                 "backend against a float64 torch reference (exit 1 on a failure).")
+    ap.add_argument("--backend", choices=["torch", "numpy"], required=True)
+    ap.add_argument("--dtype", choices=list(FLOAT_DTYPES), default="f32")
+    ap.add_argument("--device", default=None, help="torch backend only: cpu (default), cuda, ...")
+    ap.add_argument("--op", action="append", default=None, help="check only this op (repeatable)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="machine-readable report")
+    a = ap.parse_args(argv)
+
+    from backends.base import get_backend
+    if a.device is not None and a.backend != "torch":
+        raise H2Error(f"--device applies to the torch backend only (got --backend {a.backend})")
+    if a.op:
+        unknown = [o for o in a.op if o not in SPECS]
+        if unknown:
+            raise H2Error(f"--op {', '.join(unknown)}: not a checked op of the h2ir op set "
+                          f"(expected one of {', '.join(checked_ops())})")
+    backend = get_backend(a.backend, **({"device": a.device} if a.device else {}))
+    rep = check_backend(backend, a.dtype, a.seed, a.op)
+    if a.json:
+        sys.stdout.write(json.dumps(rep.to_json(), indent=1) + "\n")
+    else:
+        sys.stdout.write(format_report(rep))
+    return 1 if rep.failed else 0
+
+
+if __name__ == "__main__":
+    from h2ir.cli import run_subcommand
+    sys.exit(run_subcommand({"check-ops": "backends.check_ops:main"}, "h2c",
+                            ["check-ops"] + sys.argv[1:], __doc__))

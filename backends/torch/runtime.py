@@ -1,0 +1,82 @@
+"""The torch backend's runtime: host transfer, allocation, synchronisation and AdamW on a device.
+
+`TorchBackend(device='cpu'|'cuda'|'cuda:1', dtype_policy='fp32'|'bf16')`. The dtype policy is
+per chip (a plan may give each chip type its own):
+- fp32: every op computes in the dtype of its inputs.
+- bf16: autocast-like. Programs, parameters, gradients and optimizer state stay f32; only the
+  matrix ops (mm, bmm, attention, attention_bwd) cast their f32 inputs to bf16 and return f32.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.optim.adamw import adamw as torch_adamw
+
+from backends.torch.ops import DTYPE_POLICIES, H2_DTYPE, TORCH_DTYPE, kernel_table
+
+# numpy dtype of each h2ir dtype as it crosses the host boundary (bf16 travels as uint16 bits)
+HOST_DTYPE = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": np.uint16,
+              "i64": np.int64, "i32": np.int32, "i8": np.int8, "u8": np.uint8, "bool": np.bool_}
+
+
+class TorchBackend:
+    name = "torch"
+    dtypes = set(TORCH_DTYPE)
+
+    def __init__(self, device: str = "cpu", dtype_policy: str = "fp32", attention: str = "auto"):
+        if dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(f"unknown dtype policy {dtype_policy!r} (expected one of "
+                             f"{', '.join(DTYPE_POLICIES)})")
+        self.device = torch.device(device)
+        self.dtype_policy = dtype_policy
+        self.ops = kernel_table(self.device, dtype_policy, attention)
+
+    def __repr__(self) -> str:
+        return f"TorchBackend(device={str(self.device)!r}, dtype_policy={self.dtype_policy!r})"
+
+    # ---- host transfer -------------------------------------------------------------------------
+    def from_numpy(self, a: np.ndarray, dtype: str) -> torch.Tensor:
+        """Host array -> tensor of h2ir `dtype`; on CPU it shares the array's memory when the array
+        already has that dtype and is writeable (AdamW updates parameters in place)."""
+        a = np.asarray(a)
+        want = HOST_DTYPE[dtype]
+        if dtype == "bf16" and a.dtype != np.uint16:
+            # a float array asked to become bf16: round through torch (numpy has no bf16)
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(
+                self.device, torch.bfloat16)
+        if a.dtype != want or not a.flags.writeable or any(s < 0 for s in a.strides):
+            a = np.array(a, dtype=want)           # a private, writeable copy
+        t = torch.from_numpy(a)
+        if dtype == "bf16":
+            t = t.view(torch.bfloat16)
+        return t.to(self.device)                  # a no-op on CPU
+
+    def to_numpy(self, t: torch.Tensor) -> np.ndarray:
+        """Tensor -> host array; on CPU a view of the tensor's memory (bf16 leaves as its uint16
+        bits)."""
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.uint16)
+        return t.cpu().numpy()
+
+    def zeros(self, shape: tuple, dtype: str) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=TORCH_DTYPE[dtype], device=self.device)
+
+    def dtype_of(self, t: torch.Tensor) -> str:
+        return H2_DTYPE[t.dtype]
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- optimizer -----------------------------------------------------------------------------
+    def adamw_step(self, params: list, grads: list, exp_avg: list, exp_avg_sq: list, step: int,
+                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """In-place AdamW through torch's own functional implementation (torch.optim.adamw.adamw):
+        bit-for-bit what torch.optim.AdamW does with the same state."""
+        # torch increments each state step before using it: pass step - 1.
+        steps = [torch.tensor(float(step - 1)) for _ in params]
+        with torch.no_grad():
+            torch_adamw(params, grads, exp_avg, exp_avg_sq, [], steps, amsgrad=False,
+                        beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                        maximize=False)

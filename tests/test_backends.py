@@ -1,0 +1,259 @@
+"""The torch and numpy backends: kernels against torch autograd, whole programs against each other,
+AdamW against torch.optim.AdamW, host transfer, and the numpy backend's independence from torch."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.base import get_backend, missing_kernels, run_program
+from backends.numpy.runtime import NumpyBackend
+from backends.torch.runtime import TorchBackend
+from conftest import ROOT
+from h2ir import opset
+from h2ir.opset import Group
+
+BACKENDS = {
+    "torch": lambda: TorchBackend(),
+    "torch-math-attention": lambda: TorchBackend(attention="math"),   # the CUDA code path
+    "numpy": lambda: NumpyBackend(),
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request):
+    return BACKENDS[request.param]()
+
+
+def _to(be, a: np.ndarray):
+    dtype = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
+             np.dtype(np.int64): "i64"}[a.dtype]
+    return be.from_numpy(np.array(a), dtype)
+
+
+def _np(be, t) -> np.ndarray:
+    return np.asarray(be.to_numpy(t))
+
+
+# ---- kernels against torch autograd ------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_forward_and_backward_match_torch_autograd(backend, causal):
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, 24, 16)).astype(np.float32) for _ in range(3))
+    g = rng.standard_normal((2, 3, 24, 16)).astype(np.float32)
+    scale = None if causal else 0.2
+
+    tq, tk, tv = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, k, v))
+    ref = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, scale=scale)
+    ref.backward(torch.tensor(g, dtype=torch.float64))
+    s = torch.matmul(tq, tk.transpose(-1, -2)) * (scale or 16 ** -0.5)
+    if causal:
+        s = s.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+
+    out, lse = backend.ops["attention"](_to(backend, q), _to(backend, k), _to(backend, v),
+                                        causal=causal, scale=scale)
+    assert _np(backend, lse).dtype == np.float32 and _np(backend, lse).shape == (2, 3, 24)
+    np.testing.assert_allclose(_np(backend, out), ref.detach().numpy(), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(_np(backend, lse), ref_lse.detach().numpy(), atol=1e-5, rtol=1e-5)
+    grads = backend.ops["attention_bwd"](_to(backend, g), _to(backend, q), _to(backend, k),
+                                         _to(backend, v), out, lse, causal=causal, scale=scale)
+    for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        np.testing.assert_allclose(_np(backend, got), want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_cross_entropy_backward_through_nll_and_log_softmax_kernels(backend):
+    """log_softmax -> nll_loss (mean, ignore_index) forward and both backward kernels compose to
+    the gradient torch autograd gives for F.cross_entropy."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((20, 50)).astype(np.float32)
+    t = rng.integers(0, 50, 20).astype(np.int64)
+    t[[3, 7]] = -100
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ref = F.cross_entropy(tx, torch.tensor(t), ignore_index=-100)
+    ref.backward()
+
+    ops = backend.ops
+    logp = ops["log_softmax"](_to(backend, x), dim=1)
+    loss, total = ops["nll_loss"](logp, _to(backend, t), reduction="mean", ignore_index=-100)
+    assert float(_np(backend, total)) == 18.0
+    assert _np(backend, loss).shape == ()
+    np.testing.assert_allclose(float(_np(backend, loss)), ref.item(), rtol=1e-5)
+    one = _to(backend, np.array(1.0, dtype=np.float32))
+    g_logp = ops["nll_loss_bwd"](one, logp, _to(backend, t), total, reduction="mean",
+                                 ignore_index=-100)
+    gx = ops["log_softmax_bwd"](g_logp, logp, dim=1)
+    np.testing.assert_allclose(_np(backend, gx), tx.grad.numpy(), atol=1e-6, rtol=1e-5)
+    assert not _np(backend, gx)[3].any()       # ignored rows get no gradient
+
+
+def test_embedding_backward_sums_repeated_ids(backend):
+    rng = np.random.default_rng(3)
+    ids = np.array([[1, 4, 1, 1], [4, 0, 9, 1]], dtype=np.int64)      # 1 four times; 2,3.. absent
+    grad = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    w = torch.zeros(12, 8, dtype=torch.float64, requires_grad=True)
+    F.embedding(torch.tensor(ids), w).backward(torch.tensor(grad, dtype=torch.float64))
+    got = _np(backend, backend.ops["embedding_bwd"](_to(backend, grad), _to(backend, ids),
+                                                    num_weights=12))
+    assert got.shape == (12, 8) and got.dtype == np.float32
+    np.testing.assert_allclose(got, w.grad.numpy(), atol=1e-6)
+    np.testing.assert_allclose(got[1], grad[0, 0] + grad[0, 2] + grad[0, 3] + grad[1, 3],
+                               atol=1e-6)
+
+
+def test_binary_ops_take_a_scalar_on_either_side_and_keep_f32(backend):
+    x = np.array([[-2.0, 0.5], [3.0, 0.0]], dtype=np.float32)
+    ops, tx = backend.ops, _to(backend, x)
+    cases = [("sub", (1.5, tx), 1.5 - x), ("sub", (tx, 1.5), x - 1.5),
+             ("div", (1.0, _to(backend, x + 4)), 1.0 / (x + 4)),
+             ("maximum", (0.0, tx), np.maximum(0.0, x)), ("minimum", (tx, 0.0), np.minimum(x, 0.0)),
+             ("lt", (0.0, tx), 0.0 < x), ("eq", (tx, 0.0), x == 0.0),
+             ("where", (_to(backend, x) > 0, tx, 0.0), np.where(x > 0, x, np.float32(0)))]
+    for op, args, want in cases:
+        got = _np(backend, ops[op](*args))
+        assert got.dtype == want.dtype, (op, got.dtype)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_numpy_backend_lacks_exactly_the_runtime_executed_ops():
+    runtime_ops = {n for n, d in opset.OPS.items() if d.group in (Group.COMM, Group.MOE)}
+    assert set(opset.OPS) - set(NumpyBackend().ops) == runtime_ops
+    assert set(opset.OPS) - set(TorchBackend().ops) == runtime_ops
+
+
+# ---- whole programs ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_program():
+    from frontend.capture import capture
+    g = capture(str(ROOT / "examples/llama_tiny.py"),
+                {"n_layers": 1, "dim": 64, "n_heads": 4, "ffn": 128, "vocab": 256}, 2, 16)
+    rng = np.random.default_rng(0)
+    host = {v.name: rng.integers(0, 256, v.type.shape).astype(np.int64) for v in g.inputs}
+    for v in g.consts + g.all_params():       # consts are rotary tables: any values compare
+        host[v.name] = (rng.standard_normal(v.type.shape) * 0.1).astype(np.float32)
+    return g, host
+
+
+def _run(g, host, be) -> np.ndarray:
+    assert not missing_kernels(g, be)
+    ins = {v.name: be.from_numpy(host[v.name], v.type.dtype)
+           for v in g.inputs + g.consts + g.all_params()}
+    (out,) = run_program(g, be, ins)
+    return np.asarray(be.to_numpy(out))
+
+
+def test_llama_program_agrees_across_backends(llama_program):
+    g, host = llama_program
+    ref = _run(g, host, get_backend("torch"))
+    assert ref.shape == (2, 16, 256) and np.abs(ref).max() > 0.05
+    np.testing.assert_allclose(_run(g, host, get_backend("numpy")), ref, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(_run(g, host, TorchBackend(attention="math")), ref, atol=1e-5,
+                               rtol=1e-4)
+
+
+def test_bf16_policy_keeps_f32_values_with_bf16_matmul_error(llama_program):
+    g, host = llama_program
+    ref = _run(g, host, TorchBackend())
+    bf = _run(g, host, TorchBackend(dtype_policy="bf16"))
+    assert bf.dtype == np.float32
+    err = np.abs(bf - ref).max() / np.abs(ref).max()
+    assert 1e-5 < err < 3e-2          # visibly rounded through bf16, yet the same function
+
+
+def test_bf16_policy_casts_matmul_inputs_only():
+    be = TorchBackend(dtype_policy="bf16")
+    a = torch.tensor([[1.0 + 2 ** -10]])        # not representable in bf16 (8 significant bits)
+    assert be.ops["mm"](a, torch.ones(1, 1)).item() == 1.0
+    assert be.ops["mm"](a, torch.ones(1, 1)).dtype == torch.float32
+    assert be.ops["add"](a, 0.0).item() == 1.0 + 2 ** -10
+    assert TorchBackend().ops["mm"](a, torch.ones(1, 1)).item() == 1.0 + 2 ** -10
+
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["torch", "numpy"])
+def test_adamw_matches_torch_optim_adamw(name):
+    rng = np.random.default_rng(4)
+    shapes = [(5, 7), (13,), (3, 4, 5)]
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    ref = [torch.tensor(p, requires_grad=True) for p in init]
+    opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    be = get_backend(name)
+    params = [be.from_numpy(p.copy(), "f32") for p in init]
+    m = [be.zeros(s, "f32") for s in shapes]
+    v = [be.zeros(s, "f32") for s in shapes]
+    for step in range(1, 6):
+        grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        for p, gr in zip(ref, grads):
+            p.grad = torch.tensor(gr)
+        opt.step()
+        be.adamw_step(params, [be.from_numpy(gr, "f32") for gr in grads], m, v, step, lr=3e-3,
+                      beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for p, r, p0 in zip(params, ref, init):
+        got, want = np.asarray(be.to_numpy(p)), r.detach().numpy()
+        assert np.abs(got - p0).max() > 1e-3                 # the steps moved it
+        if name == "torch":
+            np.testing.assert_array_equal(got, want)        # torch's own implementation
+        else:
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    for s, st in zip(opt.state.values(), m):
+        np.testing.assert_allclose(np.asarray(be.to_numpy(st)), s["exp_avg"].numpy(), atol=1e-7)
+
+
+# ---- host transfer -----------------------------------------------------------------------------
+
+def test_torch_from_numpy_is_zero_copy_on_cpu_and_copies_read_only_arrays():
+    be = TorchBackend()
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = be.from_numpy(a, "f32")
+    a[0, 0] = 42.0
+    assert t[0, 0].item() == 42.0
+    assert np.shares_memory(be.to_numpy(t), a)
+    ro = np.ones(3, dtype=np.float32)
+    ro.flags.writeable = False
+    t2 = be.from_numpy(ro, "f32")
+    t2 += 1                                      # in-place updates must not touch the source
+    assert ro[0] == 1.0
+    assert be.from_numpy(np.ones(3), "f32").dtype == torch.float32   # converts f64 input
+
+
+def test_bf16_host_bits_round_trip_and_widen_on_numpy():
+    vals = torch.tensor([1.0, -2.5, 3.140625, 1e-3], dtype=torch.bfloat16)
+    bits = vals.view(torch.uint16).numpy()
+    tb = TorchBackend()
+    t = tb.from_numpy(bits, "bf16")
+    assert t.dtype == torch.bfloat16 and torch.equal(t, vals)
+    assert np.array_equal(tb.to_numpy(t), bits)
+    widened = NumpyBackend().from_numpy(bits, "bf16")
+    assert widened.dtype == np.float32
+    np.testing.assert_array_equal(widened, vals.float().numpy())
+
+
+def test_numpy_backend_declares_no_half_dtypes():
+    assert not {"bf16", "f16"} & NumpyBackend().dtypes
+    assert {"f32", "f64", "i64", "bool"} <= NumpyBackend().dtypes
+
+
+def test_numpy_backend_runs_without_torch():
+    code = """
+import sys
+sys.modules['torch'] = None              # any `import torch` now raises ImportError
+import numpy as np
+from backends.base import get_backend
+be = get_backend('numpy')
+import backends.numpy.ops, backends.numpy.runtime
+q = np.ones((1, 1, 4, 8), np.float32)
+out, lse = be.ops['attention'](q, q, q, causal=True)
+assert out.shape == (1, 1, 4, 8) and lse.dtype == np.float32
+assert not any(m == 'torch' or m.startswith('torch.') for m, v in sys.modules.items()
+               if v is not None)
+print('ok')
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"

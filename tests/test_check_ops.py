@@ -1,0 +1,136 @@
+"""`h2c check-ops`: every kernel of both backends agrees with the float64 reference, and the check
+catches kernels that do not."""
+import json
+
+import numpy as np
+import pytest
+
+from backends import check_ops
+from backends.check_ops import SPECS, REFERENCE, check_backend, checked_ops, main
+from backends.numpy.runtime import NumpyBackend
+from backends.torch.runtime import TorchBackend
+from h2ir import opset
+from h2ir.errors import H2Error
+
+# the op set minus what the runtime executes (COMM: send/recv/collectives, MOE: dispatch/combine)
+KERNEL_OPS = [n for n, d in opset.OPS.items() if d.group.value not in ("comm", "moe")]
+
+
+def test_every_kernel_op_has_an_input_spec_and_a_reference():
+    assert checked_ops() == KERNEL_OPS
+    assert set(SPECS) == set(KERNEL_OPS)
+    assert set(REFERENCE) == set(KERNEL_OPS)
+
+
+def test_topk_inputs_have_no_ties_along_the_topk_dim():
+    # ties would make the indices implementation-defined (CUDA and CPU order them differently)
+    for case in SPECS["topk"](check_ops.Draw(0)):
+        x = np.moveaxis(case.inputs[0].data, case.attrs.get("dim", -1), -1)
+        assert all(len(set(row)) == row.size for row in x.reshape(-1, x.shape[-1]))
+
+
+@pytest.mark.parametrize("backend", [TorchBackend, NumpyBackend])
+def test_all_ops_pass_at_f32_with_full_coverage(backend):
+    rep = check_backend(backend(), "f32")
+    assert (rep.implemented, rep.total) == (len(KERNEL_OPS), len(KERNEL_OPS))
+    assert not rep.missing
+    assert [r.op for r in rep.failed] == []
+    assert all(r.max_abs < 1e-3 for r in rep.results)
+    # the example models' ops are among them, with non-trivial numerics measured
+    by_op = {r.op: r for r in rep.results}
+    assert by_op["mm"].max_abs > 0 and by_op["attention_bwd"].max_abs > 0
+
+
+def test_torch_passes_at_bf16_with_bf16_sized_errors():
+    rep = check_backend(TorchBackend(), "bf16", ops=["mm", "exp", "attention", "nll_loss"])
+    assert not rep.failed
+    # errors are bf16's (unit round-off 2^-8), not f32's
+    assert max(r.max_rel for r in rep.results if r.op in ("mm", "exp")) > 1e-3
+
+
+class _Broken:
+    """A backend whose kernels we can break one at a time."""
+
+    def __init__(self, **overrides):
+        self._inner = NumpyBackend()
+        self.name, self.dtypes = "broken", self._inner.dtypes
+        self.ops = {**self._inner.ops, **overrides}
+        for n in [n for n, v in overrides.items() if v is None]:
+            del self.ops[n]
+
+    def __getattr__(self, item):
+        return getattr(self._inner, item)
+
+
+def test_a_slightly_wrong_kernel_fails_its_op_only():
+    rep = check_backend(_Broken(exp=lambda x: np.exp(x) * np.float32(1 + 1e-4)),
+                        ops=["exp", "log", "mm"])
+    assert [r.op for r in rep.failed] == ["exp"]
+    assert 1e-5 < rep.failed[0].max_rel < 2e-4
+
+
+def test_wrong_dtype_or_a_raising_kernel_is_a_failure_with_a_reason():
+    def raises(*a, **k):
+        raise RuntimeError("no kernel for this shape")
+    rep = check_backend(_Broken(sigmoid=lambda x: x.astype(np.float64) * 0 + 0.5,
+                                softmax=raises), ops=["sigmoid", "softmax"])
+    errors = {r.op: r.error for r in rep.failed}
+    assert "f64" in errors["sigmoid"] and "declares f32" in errors["sigmoid"]
+    assert "no kernel for this shape" in errors["softmax"]
+
+
+def test_an_integer_result_must_match_exactly():
+    def topk_off_by_one(x, k, dim=-1):
+        v, i = NumpyBackend().ops["topk"](x, k, dim)
+        return v, i[::-1].copy() if i.ndim else i
+    rep = check_backend(_Broken(topk=topk_off_by_one), ops=["topk"])
+    assert rep.failed and rep.failed[0].error is None and rep.failed[0].max_abs >= 1
+
+
+def test_coverage_counts_a_missing_kernel():
+    rep = check_backend(_Broken(gelu=None))
+    assert rep.total == len(KERNEL_OPS) and rep.implemented == len(KERNEL_OPS) - 1
+    assert rep.missing == ["gelu"]
+    assert rep.to_json()["coverage"] == {"implemented": len(KERNEL_OPS) - 1,
+                                         "total": len(KERNEL_OPS)}
+
+
+def test_main_json_report(capsys):
+    assert main(["--backend", "numpy", "--op", "mm", "--op", "attention", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "numpy" and out["dtype"] == "f32"
+    assert out["coverage"] == {"implemented": 2, "total": 2}
+    assert [o["op"] for o in out["ops"]] == ["mm", "attention"]
+    assert set(out["ops"][0]) == {"op", "dtype", "max_abs", "max_rel", "pass"}
+    assert all(o["pass"] is True for o in out["ops"])
+
+
+def test_main_table_and_exit_code_1_on_a_failure(monkeypatch, capsys):
+    import backends.base
+    monkeypatch.setattr(backends.base, "get_backend",
+                        lambda name, **kw: _Broken(neg=lambda x: x))
+    assert main(["--backend", "numpy", "--op", "neg", "--op", "abs"]) == 1
+    text = capsys.readouterr().out
+    assert "neg" in text and "FAIL" in text and "coverage: 2/2" in text
+    assert "1 op(s) failed: neg" in text
+
+
+def test_unsupported_dtype_is_a_user_error():
+    with pytest.raises(H2Error, match="numpy does not compute in bf16"):
+        main(["--backend", "numpy", "--dtype", "bf16"])
+    with pytest.raises(H2Error, match="not a checked op"):
+        main(["--backend", "numpy", "--op", "send"])
+
+
+def test_h2c_check_ops_exit_codes(capsys):
+    from h2ir.cli import main as h2c
+    assert h2c(["check-ops", "--backend", "numpy", "--dtype", "bf16"]) == 2
+    assert "error: backend numpy does not compute in bf16" in capsys.readouterr().err
+    assert h2c(["check-ops", "--backend", "torch", "--op", "silu_bwd"]) == 0
+
+
+def test_tolerances_follow_the_documented_choice():
+    assert check_ops.TOLERANCE["f32"] == (1e-5, 1e-5)          # DIOPI's fp32 tolerance
+    # an f32 result (attention's logsumexp) in a bf16 run is held to bf16's tolerance
+    assert check_ops._tolerance("bf16", "f32") == check_ops.TOLERANCE["bf16"]
+    assert check_ops._tolerance("f64", "f32") == check_ops.TOLERANCE["f32"]
