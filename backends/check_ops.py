@@ -240,6 +240,9 @@ SPECS.update({
     "one_hot": lambda r: [Case([r.ids(10, 4, 16)], {"num_classes": 10})],
     "embedding": lambda r: [Case([r.normal(100, 32), r.ids(100, 4, 16)])],
     "embedding_bwd": lambda r: [Case([r.normal(4, 16, 32), r.ids(20, 4, 16)], {"num_weights": 40})],
+    "slice_bwd": lambda r: [Case([r.normal(4, 5, 8)], {"shape": [4, 16, 8], "dim": 1, "start": 3,
+                                                       "end": 13, "step": 2}),
+                            Case([r.normal(6, 8)], {"shape": [10, 8], "dim": 0, "end": 6})],
     "nll_loss": lambda r: _nll_cases(r, backward=False),
     "nll_loss_bwd": lambda r: _nll_cases(r, backward=True),
     "full": lambda r: [Case([], {"shape": [4, 8], "value": 1.5}),
@@ -309,6 +312,8 @@ REFERENCE: dict[str, Callable] = {
     "embedding": lambda w, ids: aten.embedding(w, ids),
     "embedding_bwd": lambda g, ids, num_weights: aten.embedding_dense_backward(g, ids, num_weights,
                                                                                -1, False),
+    "slice_bwd": lambda g, shape, dim, start=None, end=None, step=1: aten.slice_backward(
+        g, shape, dim, 0 if start is None else start, shape[dim] if end is None else end, step),
     "nll_loss": lambda logp, t, reduction, ignore_index: aten.nll_loss_forward(
         logp, t, None, _REDUCTION[reduction], ignore_index),
     "nll_loss_bwd": lambda g, logp, t, tw, reduction, ignore_index: aten.nll_loss_backward(

@@ -327,6 +327,10 @@ ATEN: dict = {
         "log_softmax_bwd", g, out, dim=dim % g.type.rank),
     aten.silu_backward.default: lambda em, g, x: em("silu_bwd", g, x),
     aten.embedding_dense_backward.default: _embedding_bwd,
+    aten.slice_backward.default: lambda em, g, sizes, dim, start, end, step: em(
+        "slice_bwd", g, shape=list(sizes), dim=dim % len(sizes),
+        start=None if start == 0 else start,
+        end=None if end >= sizes[dim % len(sizes)] else end, step=step),
     aten.nll_loss_forward.default: _nll_fwd,
     aten.nll_loss_backward.default: _nll_bwd,
     aten.full.default: _full,

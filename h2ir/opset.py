@@ -404,6 +404,10 @@ _op("attention_bwd", Group.GRAD, ["grad", "q", "k", "v", "out", "lse"], {"causal
     infer=_attention_bwd, flops=_attention_bwd_flops, doc="(grad_q, grad_k, grad_v)")
 _op("embedding_bwd", Group.GRAD, ["grad", "ids"], {"num_weights": REQUIRED}, infer=_embedding_bwd,
     flops=lambda i, o, a: i[0].numel, doc="scatter-add of grad rows into a [num_weights, d] table")
+_op("slice_bwd", Group.GRAD, ["grad"], {"shape": REQUIRED, "dim": REQUIRED, "start": None,
+                                        "end": None, "step": 1},
+    infer=lambda i, a: [TensorType(i[0].dtype, tuple(a["shape"]))], flops=_zero,
+    doc="zeros of `shape` with grad written into the slice (the gradient of `slice`)")
 _op("nll_loss_bwd", Group.GRAD, ["grad", "logp", "target", "total_weight"],
     {"reduction": "mean", "ignore_index": -100}, infer=_nll_loss_bwd, flops=_numel_out)
 

@@ -304,6 +304,14 @@ def embedding(weight, ids):
     return np.take(weight, ids, axis=0)
 
 
+def slice_bwd(grad, shape, dim, start=None, end=None, step=1):
+    out = np.zeros(shape, dtype=grad.dtype)
+    idx = [slice(None)] * len(shape)
+    idx[dim] = slice(start, end, step)
+    out[tuple(idx)] = grad
+    return out
+
+
 def embedding_bwd(grad, ids, num_weights):
     """Scatter-add of grad rows into a [num_weights, d] table: sort the ids once, then sum each
     run of equal ids with one np.add.reduceat (no per-element Python loop)."""
@@ -385,6 +393,6 @@ def kernel_table() -> dict:
         "one_hot": one_hot, "embedding": embedding, "nll_loss": nll_loss,
         "full": full, "arange": arange,
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
-        "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd,
+        "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
     })
     return {name: _as_array(fn) for name, fn in ops.items()}

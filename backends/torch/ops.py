@@ -180,6 +180,14 @@ def embedding_bwd(grad, ids, num_weights):
     return aten.embedding_dense_backward(grad, ids, num_weights, -1, False)
 
 
+def slice_bwd(grad, shape, dim, start=None, end=None, step=1):
+    out = grad.new_zeros(shape)
+    idx = [slice(None)] * len(shape)
+    idx[dim] = slice(start, end, step)
+    out[tuple(idx)] = grad
+    return out
+
+
 def nll_loss_bwd(grad, logp, target, total_weight, reduction="mean", ignore_index=-100):
     return aten.nll_loss_backward(grad, logp, target, None, REDUCTION[reduction], ignore_index,
                                   total_weight)
@@ -289,7 +297,7 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
         "one_hot": one_hot, "embedding": embedding, "nll_loss": nll_loss,
         "full": full, "arange": arange,
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
-        "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd,
+        "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
     })
     if dtype_policy == "bf16":
         ops["mm"] = _autocast_bf16(torch.mm, 2)

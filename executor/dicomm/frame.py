@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from executor.dicomm.checksum import CRC_IMPL, checksum
+from executor.dicomm.checksum import checksum
 from executor.dicomm.errors import CommError
 
 FORMAT_VERSION = 1
@@ -42,7 +42,7 @@ PREFIX = struct.Struct("<2sBcI")
 PREFIX_BYTES = PREFIX.size
 MAX_HEADER_BYTES = 64 * 1024          # a header is ~100 bytes; anything bigger is garbage
 MAX_PAYLOAD_BYTES = 1 << 40           # refuse to allocate more than 1 TiB because a header said so
-MAX_KIND_CHARS = 64
+MAX_KIND_CHARS = 256          # kinds are tags like "act:<tensor name>"
 
 # h2ir dtype name -> numpy dtype of the bytes on the wire
 DTYPES: dict[str, np.dtype] = {

@@ -1,0 +1,165 @@
+"""Compiler: stage programs equal eager autograd, build dir layout, no pickle, capability check."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from backends.base import get_backend, run_program
+from frontend.capture import load_model_file, trace_model
+from frontend.stages import build_stage_programs
+from h2ir.errors import H2Error
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _pipeline_grads(path, args, splits, mb=2, seq=16, seed=0):
+    """Run every stage's forward then backward program on the torch backend, chained like the
+    executor does; return (loss, {param: grad}) and the eager model's (loss, grads)."""
+    cap = trace_model(path, args, mb, seq)
+    names = [l.name for l in cap.graph.layers]
+    stage_layers, i = [], 0
+    for n in splits:
+        stage_layers.append(names[i:i + n])
+        i += n
+    progs = build_stage_programs(cap, stage_layers)
+    torch.manual_seed(seed)
+    model = load_model_file(path).build(args)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    bufs = {k: v.detach().clone() for k, v in model.named_buffers()}
+    g = torch.Generator().manual_seed(1)
+    vocab = cap.graph.attrs["vocab"]
+    tokens = torch.randint(0, vocab, (mb, seq), generator=g)
+    targets = torch.randint(0, vocab, (mb, seq), generator=g)
+    be = get_backend("torch")
+    acts = {progs[0].inputs[0]: tokens}
+    saved = []
+    for p in progs:
+        env = {**{k: params[k] for k in p.params}, **{k: bufs[k] for k in p.consts}, **acts}
+        if p is progs[-1]:
+            env["targets"] = targets
+        outs = run_program(p.fwd, be, env)
+        n = len(p.outputs) - len(p.passthrough)
+        computed = [k for k in p.outputs if k not in p.passthrough]
+        saved.append({v.name: o for v, o in zip(p.fwd.outputs[n:], outs[n:])})
+        acts = dict(zip(computed, outs[:n]))
+        acts.update({k: env[k] for k in p.passthrough})
+    loss = acts["loss"]
+    grads, upstream = {}, {"loss": torch.tensor(1.0)}
+    for p, sv in zip(reversed(progs), reversed(saved)):
+        env = {**{k: params[k] for k in p.params}, **{k: bufs[k] for k in p.consts}, **sv}
+        env.update({f"grad.{k}": upstream[k] for k in p.tangents})
+        outs = run_program(p.bwd, be, env)
+        gmap = dict(zip(p.input_grads, outs))
+        grads.update({k: v for k, v in gmap.items() if k in params})
+        upstream = {k: v for k, v in gmap.items() if k not in params}
+    # eager autograd
+    model.zero_grad()
+    out = model(tokens)
+    ref = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+    ref.backward()
+    eager = {k: v.grad for k, v in model.named_parameters()}
+    return loss, grads, ref, eager
+
+
+@pytest.mark.parametrize("path, args, splits", [
+    ("examples/llama_tiny.py", {"n_layers": 3}, [2, 1, 2]),
+    ("tests/hf_llama_model.py", {"layers": 3}, [2, 3]),
+])
+def test_stage_gradients_equal_eager_autograd(path, args, splits):
+    loss, grads, ref, eager = _pipeline_grads(str(ROOT / path), args, splits)
+    assert _rel(loss, ref.detach()) <= 1e-5
+    assert set(grads) == set(eager)
+    worst = max(_rel(grads[k], eager[k]) for k in eager)
+    assert worst <= 1e-5, worst
+
+
+def test_identical_layers_share_one_aot_trace(monkeypatch):
+    from frontend import stages
+    calls = []
+    orig = stages._aot
+    monkeypatch.setattr(stages, "_aot", lambda *a, **k: calls.append(a[1].layer) or orig(*a, **k))
+    cap = trace_model(str(ROOT / "examples/llama_tiny.py"), {"n_layers": 4}, 1, 16)
+    names = [l.name for l in cap.graph.layers]
+    build_stage_programs(cap, [names[:3], names[3:]])
+    assert calls == ["embed", "block.0", "head"]
+
+
+PICKLE_MAGIC = [bytes([0x80, p]) for p in range(2, 6)]
+
+
+@pytest.fixture(scope="module")
+def mixed_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build") / "B"
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", "--cluster",
+                "examples/clusters/local-mixed.toml", "--plan", "uniform", "--global-batch", "4",
+                "--micro-batch", "2", "--seq-len", "32", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_mixed_build_layout(mixed_build):
+    m = json.loads((mixed_build / "manifest.json").read_text())
+    assert [s["backend"] for s in m["stages"]] == ["torch", "numpy"]
+    assert (mixed_build / "lowered/stage0.torch.json").is_file()
+    assert (mixed_build / "lowered/stage1.numpy.json").is_file()
+    for s in range(2):
+        for f in ("fwd.h2ir", "bwd.h2ir", "json"):
+            assert (mixed_build / f"stages/stage{s}.{f}").is_file()
+        assert (mixed_build / f"weights/stage{s}.safetensors").is_file()
+    from h2ir.schedule import parse_stream
+    for w in m["workers"]:
+        instrs = parse_stream((mixed_build / w["stream"]).read_text())
+        assert instrs[-1].op == "opt_step"
+    assert m["model"]["sha256"] and m["versions"]["torch_at_compile"]
+
+
+def test_build_has_no_pickle(mixed_build):
+    files = [p for p in mixed_build.rglob("*") if p.is_file()]
+    assert len(files) > 10
+    for p in files:
+        head = p.read_bytes()[:2]
+        assert head not in PICKLE_MAGIC, p
+        assert head != b"PK", p          # torch.save's zip container
+
+
+def test_programs_in_build_parse_and_match(mixed_build):
+    from h2ir.text import load_graph, print_graph
+    for f in (mixed_build / "stages").glob("*.h2ir"):
+        assert print_graph(load_graph(str(f))) == f.read_text()
+
+
+def test_missing_kernel_is_a_compile_error(monkeypatch, tmp_path):
+    from backends.numpy import runtime
+    orig = runtime.NumpyBackend.__init__
+
+    def no_attention(self, *a, **k):
+        orig(self, *a, **k)
+        self.ops = {k: v for k, v in self.ops.items() if k != "attention_bwd"}
+
+    monkeypatch.setattr(runtime.NumpyBackend, "__init__", no_attention)
+    from h2ir.compiler import compile_model
+    with pytest.raises(H2Error) as e:
+        compile_model(str(ROOT / "examples/llama_tiny.py"), model_args={"n_layers": 2},
+                      cluster_arg="local-mixed", plan_arg="uniform", global_batch=2, micro_batch=1,
+                      seq_len=16, out_dir=str(tmp_path / "B"), log=lambda *a: None)
+    msg = str(e.value)
+    assert "attention_bwd" in msg and "numpy" in msg and "stage 1" in msg
+
+
+@pytest.mark.slow
+def test_100b_dry_run_compiles_without_weights(tmp_path):
+    import resource
+    out = tmp_path / "B100"
+    r = run_cli("h2c", "compile", "examples/llama_100b.py", "--cluster", "h2-1024", "--plan", "auto",
+                "--dry-run", "--seq-len", "4096", "--global-batch", "1024", "-o", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "weights").exists()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dry_run"] and m["model"]["total_params"] > 113e9
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 4 * 2**30
