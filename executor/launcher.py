@@ -223,14 +223,24 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
 
 def _check_health(build, procs, status, done, run_dir):
     now = time.time()
-    for w, p in enumerate(procs):
-        rc = p.poll()
-        if rc is not None and rc != 0:
-            raise RunFailed(_failure(build, w, status, run_dir,
-                                     f"exited with {_describe_rc(rc)}"))
-        if rc is None and w not in done and status[w, 3] == 0 and now - status[w, 0] > HANG_AFTER_S:
-            raise RunFailed(_failure(build, w, status, run_dir,
-                                     f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)"))
+    failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
+    hung = [w for w, p in enumerate(procs) if p.poll() is None and w not in done
+            and status[w, 3] == 0 and now - status[w, 0] > HANG_AFTER_S]
+    if not failed and not hung:
+        return
+    if failed and not hung:
+        # When one worker dies its peers fail too (their receives break): give them a moment,
+        # then blame the root cause, a worker killed by a signal, before the collateral ones.
+        time.sleep(0.3)
+        failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
+    killed = [w for w in failed if procs[w].returncode < 0]
+    if killed or (failed and not hung):
+        w = (killed or failed)[0]
+        raise RunFailed(_failure(build, w, status, run_dir,
+                                 f"exited with {_describe_rc(procs[w].returncode)}"))
+    w = hung[0]
+    raise RunFailed(_failure(build, w, status, run_dir,
+                             f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)"))
 
 
 def _describe_rc(rc: int) -> str:

@@ -1,0 +1,165 @@
+"""h2x: real multi-process training equals eager PyTorch; failures stop cleanly; resume is exact."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+STEPS = 20
+COMMON = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "n_layers=2",
+          "--arg", "max_seq=64"]
+
+PLAN_TT = """model    "examples/llama_tiny.py"
+cluster  "local"
+batch    global=4 micro=2 seq=32
+schedule 1f1b
+dp       1
+stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
+stage chip=cpu-torch chips=1 tp=1 layers=1, head
+"""
+
+
+def _compile(out: Path, *extra):
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *COMMON, *extra, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    d = tmp_path_factory.mktemp("x")
+    plan = d / "tt.h2plan"
+    plan.write_text(PLAN_TT)
+    return {
+        "torch+torch": _compile(d / "tt", "--plan", str(plan)),
+        "torch+numpy": _compile(d / "tn", "--cluster", "local-mixed", "--plan", "uniform"),
+    }
+
+
+def _losses(log: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", ["torch+torch", "torch+numpy"])
+def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
+    from executor.reference import eager_losses
+    b = builds[kind]
+    m = json.loads((b / "manifest.json").read_text())
+    assert [s["backend"] for s in m["stages"]] == kind.split("+")
+    log = tmp_path / "log.jsonl"
+    r = run_cli("h2x", "run", str(b), "--steps", str(STEPS), "--json-log", str(log))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got = _losses(log)
+    ref = eager_losses(str(b), STEPS)
+    assert len(got) == STEPS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst <= 1e-4, (worst, got, ref)
+    assert got[-1] < got[0]          # it learns
+    first = json.loads(log.read_text().splitlines()[0])
+    assert {"step", "loss", "tokens_per_s", "step_s"} <= set(first)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(p.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _launch(build, *args):
+    exe = Path(sys.executable).parent / "h2x"
+    return subprocess.Popen([str(exe), "run", str(build), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_step(proc, n):
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= n:
+            return lines
+    raise AssertionError("run ended early:\n" + "".join(lines) + proc.stderr.read())
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_dead_or_hung_worker_stops_the_run(builds, how):
+    b = builds["torch+torch"]
+    proc = _launch(b, "--steps", "400")
+    try:
+        _wait_for_step(proc, 2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        victim = max(workers)            # started second: worker w1
+        t0 = time.monotonic()
+        os.kill(victim, how)
+        rc = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0
+    assert elapsed < 10, elapsed
+    assert "worker w1" in err and "last instruction" in err and "Traceback" not in err
+    time.sleep(0.5)
+    if how == signal.SIGSTOP:
+        os.kill(victim, signal.SIGCONT) if _alive(victim) else None
+    assert not any(_alive(p) for p in workers), "orphan worker processes left behind"
+
+
+def test_resume_reproduces_uninterrupted_run(builds, tmp_path):
+    import shutil
+    b = tmp_path / "b"
+    shutil.copytree(builds["torch+numpy"], b)
+    full = tmp_path / "full.jsonl"
+    r = run_cli("h2x", "run", str(b), "--steps", "10", "--json-log", str(full))
+    assert r.returncode == 0, r.stderr
+    shutil.rmtree(b / "ckpt", ignore_errors=True)
+    # interrupted run: checkpoints every 3 steps, killed after step 7
+    proc = _launch(b, "--steps", "400", "--checkpoint-every", "3")
+    try:
+        _wait_for_step(proc, 7)
+        for p in _children(proc.pid):
+            os.kill(p, signal.SIGKILL)
+            break
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = tmp_path / "resumed.jsonl"
+    r = run_cli("h2x", "run", str(b), "--steps", "10", "--resume", "--json-log", str(resumed))
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout and "step_00000006" in r.stdout
+    got = [json.loads(l) for l in resumed.read_text().splitlines()]
+    want = {json.loads(l)["step"]: json.loads(l)["loss"] for l in full.read_text().splitlines()}
+    assert [g["step"] for g in got] == [7, 8, 9, 10]
+    for g in got:
+        assert abs(g["loss"] - want[g["step"]]) <= 1e-6 * abs(want[g["step"]]), (g, want)
+
+
+def test_bad_build_dir_is_a_clean_error(tmp_path):
+    r = run_cli("h2x", "run", str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "manifest.json" in r.stderr
+    (tmp_path / "manifest.json").write_text("{not json")
+    r = run_cli("h2x", "run", str(tmp_path))
+    assert r.returncode == 2 and "manifest.json:1:2" in r.stderr
