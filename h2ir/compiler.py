@@ -64,6 +64,28 @@ def resolve_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batc
     return plan
 
 
+def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
+                       log=print) -> None:
+    """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
+    this model; measure them once per model and backend (executor/profile.py) if not stored."""
+    from backends.base import resolve_stack
+    from h2ir.calibration import load_calibration
+    backends = sorted({resolve_stack(c.backend)[0] for c in cluster.chip_types.values()
+                       if c.measured and resolve_stack(c.backend)})
+    if not backends:
+        return
+    cal = load_calibration()
+    name = Path(model_path).stem
+    todo = [b for b in backends
+            if not cal or any(r.get("model") != name for r in cal.layer_times.get(b, {}).values())
+            or not cal.layer_times.get(b)]
+    if todo:
+        from executor.profile import record
+        log(f"measuring per-layer times of {name} on {', '.join(todo)} (once; stored in the "
+            "calibration file)")
+        record(model_path, model_args, micro_batch, seq_len, todo, log=log)
+
+
 def _sha256(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -129,6 +151,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
         cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
     mb_trace = micro_batch or 1
+    ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
     cap = trace_model(model_path, model_args, mb_trace, seq_len)
     costs = cap.graph.layer_costs()
     plan = resolve_plan(plan_arg, costs, cluster, global_batch=global_batch, micro_batch=micro_batch,
