@@ -151,7 +151,8 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
         cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
     mb_trace = micro_batch or 1
-    ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
+    if plan_arg in ("auto", "uniform"):      # the search ranks plans with measured layer times
+        ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
     cap = trace_model(model_path, model_args, mb_trace, seq_len)
     costs = cap.graph.layer_costs()
     plan = resolve_plan(plan_arg, costs, cluster, global_batch=global_batch, micro_batch=micro_batch,

@@ -6,6 +6,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Tests measure into their own calibration file, never the user's (~/.cache/h2).
+os.environ.setdefault("H2_CALIBRATION", str(Path(os.environ.get("TMPDIR", "/tmp")) /
+                                            f"h2-test-calibration-{os.getuid()}.json"))
 BIN = Path(sys.executable).parent
 
 

@@ -25,6 +25,23 @@ stage chip=cpu-torch chips=1 tp=1 layers=1, head
 """
 
 
+PLAN_DP = """model    "examples/llama_tiny.py"
+cluster  "local"
+batch    global=4 micro=1 seq=32
+schedule gpipe
+dp       2
+stage chip=cpu-torch chips=2 tp=1 layers=embed, 0..1, head
+"""
+
+PLAN_NUMPY = """model    "examples/llama_tiny.py"
+cluster  "local-mixed"
+batch    global=4 micro=2 seq=32
+schedule 1f1b
+dp       1
+stage chip=cpu-numpy chips=1 tp=1 layers=embed, 0..1, head
+"""
+
+
 def _compile(out: Path, *extra):
     r = run_cli("h2c", "compile", "examples/llama_tiny.py", *COMMON, *extra, "-o", str(out))
     assert r.returncode == 0, r.stderr
@@ -34,11 +51,15 @@ def _compile(out: Path, *extra):
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     d = tmp_path_factory.mktemp("x")
-    plan = d / "tt.h2plan"
-    plan.write_text(PLAN_TT)
+    plans = {}
+    for name, text in (("tt", PLAN_TT), ("dp", PLAN_DP), ("np", PLAN_NUMPY)):
+        plans[name] = d / f"{name}.h2plan"
+        plans[name].write_text(text)
     return {
-        "torch+torch": _compile(d / "tt", "--plan", str(plan)),
+        "torch+torch": _compile(d / "tt", "--plan", str(plans["tt"])),
         "torch+numpy": _compile(d / "tn", "--cluster", "local-mixed", "--plan", "uniform"),
+        "numpy": _compile(d / "np", "--plan", str(plans["np"])),
+        "torch|torch": _compile(d / "dp", "--plan", str(plans["dp"])),   # 2 data-parallel replicas
     }
 
 
@@ -46,12 +67,14 @@ def _losses(log: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["torch+torch", "torch+numpy"])
+@pytest.mark.parametrize("kind", ["torch+torch", "torch+numpy", "numpy", "torch|torch"])
 def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
+    """'+' separates pipeline stages, '|' data-parallel replicas of one stage."""
     from executor.reference import eager_losses
     b = builds[kind]
     m = json.loads((b / "manifest.json").read_text())
-    assert [s["backend"] for s in m["stages"]] == kind.split("+")
+    assert [s["backend"] for s in m["stages"]] == kind.split("|")[0].split("+")
+    assert m["dp"] == len(kind.split("|"))
     log = tmp_path / "log.jsonl"
     r = run_cli("h2x", "run", str(b), "--steps", str(STEPS), "--json-log", str(log))
     assert r.returncode == 0, r.stderr + r.stdout
