@@ -138,7 +138,7 @@ class StageKind:
         base = (Pp[b] - Pp[a]) * rm.la.state.total + np.where(a > 0, out[np.maximum(a - 1, 0)], 0.0) + out[b - 1]
         cap = rm.cluster.chip(chip).mem_bytes * _CAP_MARGIN
         none = base + inflight * (Pact[b] - Pact[a]) <= cap
-        rc = base + inflight * (Pout[b] - Pout[a]) + _range_max(dev)[a, b - 1] <= cap
+        rc = base + inflight * (Pout[b] - Pout[a]) + dev.act_range_max[a, b - 1] <= cap
         before = b <= a
         self.fit_none = np.logical_and.accumulate(none | before, axis=1).sum(axis=1).tolist()
         self.fit_any = np.logical_and.accumulate(none | rc | before, axis=1).sum(axis=1).tolist()
@@ -168,18 +168,6 @@ class StageKind:
             if b2 > self.fit_none[a]:
                 return b2
         return max(b, a)
-
-
-def _range_max(dev) -> np.ndarray:
-    """[a, e] -> max activation of one layer in a..e (the recompute working set), as a matrix."""
-    m = getattr(dev, "_rmax_np", None)
-    if m is None:
-        L = len(dev._rmax)
-        m = np.zeros((L, L))
-        for a, row in enumerate(dev._rmax):
-            m[a, a:] = row
-        dev._rmax_np = m
-    return m
 
 
 @lru_cache(maxsize=16)
@@ -485,7 +473,7 @@ class StageLine:
         formula as `estimate`); the best `keep` as (estimate, bounds)."""
         S, L = self.S, self.L
         n = math.comb(L - 1, S - 1)
-        if n > 3_000_000:
+        if n > EXHAUSTIVE_LINE_LIMIT:
             raise H2Error(f"exhaustive search of {n:,} layer splits for {self.config.describe()} "
                           f"is too large", hint="use --search heuristic")
         Bd = _all_bounds(L, S)
@@ -696,6 +684,29 @@ def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len
 # ----------------------------------------------------------------------------------------------
 # HeteroAuto
 
+EXHAUSTIVE_LINE_LIMIT = 3_000_000
+EXHAUSTIVE_TOTAL_LIMIT = 50_000_000
+
+
+def _check_exhaustive_size(costs: ModelCosts, cfgs, counts: dict, n_orders: int):
+    """Refuse an exhaustive search up front when some line, or all of them together, has more
+    layer splits than numpy can enumerate in reasonable time and memory."""
+    L = len(costs.layers)
+    total, worst = 0, (0, None)
+    for mb, dp, m, tps in cfgs:
+        S = sum(counts[c] // (dp * t) for c, t in tps)
+        n = math.comb(L - 1, S - 1)
+        total += n * n_orders
+        if n > worst[0]:
+            worst = (n, (mb, dp, tps))
+    if worst[0] > EXHAUSTIVE_LINE_LIMIT or total > EXHAUSTIVE_TOTAL_LIMIT:
+        mb, dp, tps = worst[1]
+        raise H2Error(f"exhaustive search would enumerate {total:,} layer splits (up to {worst[0]:,} "
+                      f"for dp={dp} micro-batch={mb} tp={dict(tps)}); the limit is "
+                      f"{EXHAUSTIVE_LINE_LIMIT:,} per configuration and {EXHAUSTIVE_TOTAL_LIMIT:,} "
+                      f"in all", hint="use --search heuristic")
+
+
 class _ConfigBound:
     """Order-independent lower bounds on a configuration's estimate, from per-(chip, tp)
     numbers only, so thousands of configurations are ranked before any stage line is built.
@@ -832,6 +843,8 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
             return math.inf
         return sorted(c.estimate_s for c in found)[keep - 1]
 
+    if exhaustive:
+        _check_exhaustive_size(costs, cfgs, counts, len(orders))
     heap: list = []
     seq = itertools.count()
     for mb, dp, m, tps in cfgs:

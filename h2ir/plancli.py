@@ -1,0 +1,286 @@
+"""`h2c plan`: plan a model on a cluster and report the predicted step.
+
+    h2c plan MODEL.py [--arg k=v ...] [--cluster C] [--plan auto|uniform|FILE.h2plan]
+             [--search heuristic|exhaustive] [--global-batch N] [--micro-batch N] [--seq-len N]
+             [--schedule 1f1b|gpipe] [-o plan.h2plan] [--trace FILE] [--json] [--no-speedup]
+
+MODEL may also be a layer-cost JSON file (`h2c ir MODEL.py --json`), which skips tracing.
+The report: stages, chips, layers, memory per device against capacity, predicted step time
+(simulated instruction streams), tokens/s, MFU per chip type, bubble fraction, the uniform
+baseline, HeteroSpeedupRatio, search time and runner-ups. Errors print and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+from .costs import ModelCosts
+from .errors import H2Error
+
+DEFAULT_CLUSTER = "local"
+# build_model keyword arguments that name the model's maximum sequence length
+_SEQ_ARGS = ("max_seq", "max_seq_len", "seq_len", "max_position_embeddings", "block_size")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="h2c plan", description="Plan a model on a (heterogeneous) "
+                                 "cluster with HeteroAuto, a uniform split, or a .h2plan file, "
+                                 "and predict its training step.")
+    ap.add_argument("model", help="model file (.py with build_model) or layer-cost JSON")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="keyword argument for build_model (repeatable)")
+    ap.add_argument("--cluster", help="built-in cluster name or cluster TOML file (default: the "
+                    "plan file's cluster, else local)")
+    ap.add_argument("--plan", default="auto", metavar="auto|uniform|FILE.h2plan")
+    ap.add_argument("--search", default="heuristic", choices=("heuristic", "exhaustive"))
+    ap.add_argument("--global-batch", type=int, help="sequences per step (default: max(8, chips))")
+    ap.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: searched)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum)")
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    ap.add_argument("-o", "--output", help="write the plan as .h2plan text to FILE")
+    ap.add_argument("--trace", help="write the predicted timeline as Chrome/Perfetto trace JSON")
+    ap.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    ap.add_argument("--no-speedup", action="store_true",
+                    help="skip HeteroSpeedupRatio (it searches every chip type alone)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        report = plan_report(a)
+    except H2Error as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if a.json:
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        sys.stdout.write(format_report(report))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+def _model_args(pairs: list[str]) -> dict:
+    try:
+        from frontend.capture import parse_model_args
+    except ImportError:
+        parse_model_args = None
+    if parse_model_args is not None:
+        return parse_model_args(pairs)
+    out = {}
+    for p in pairs:
+        if "=" not in p:
+            raise H2Error(f"--arg {p!r}: expected key=value")
+        k, v = p.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _default_seq_len(model: str, args: dict) -> int:
+    """The model's own maximum sequence length: a build_model argument (given, or its default)."""
+    for k in _SEQ_ARGS:
+        if k in args:
+            return int(args[k])
+    try:
+        from frontend.capture import load_model_file
+        sig = inspect.signature(load_model_file(model).module.build_model)
+    except (ImportError, ValueError, TypeError):
+        return 128
+    for k in _SEQ_ARGS:
+        p = sig.parameters.get(k)
+        if p is not None and isinstance(p.default, int):
+            return p.default
+    return 128
+
+
+def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) -> ModelCosts:
+    """Layer costs of `model`: a cost JSON as is, or a model file traced by the frontend."""
+    p = Path(model)
+    if p.suffix == ".json":
+        try:
+            costs = ModelCosts.from_json(json.loads(p.read_text()))
+        except OSError as e:
+            raise H2Error(f"cannot read layer costs: {e.strerror}", file=model) from None
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise H2Error(f"not a layer-cost JSON file ({type(e).__name__}: {e})", file=model,
+                          hint="write one with `h2c ir MODEL.py --json`") from None
+        return costs
+    try:
+        from frontend.capture import model_costs
+    except ImportError as e:
+        raise H2Error(f"the frontend is not available to trace {model} ({e})",
+                      hint="pass a layer-cost JSON file instead") from None
+    return model_costs(model, args, micro_batch, seq_len or _default_seq_len(model, args))
+
+
+def plan_report(a) -> dict:
+    from .clusterfile import load_cluster
+    from .plan import Plan
+    from .search import Candidate, hetero_speedup, search, uniform_plan
+    from .simulate import simulate, write_chrome_trace
+
+    args = _model_args(a.arg)
+    given: Plan | None = None
+    if a.plan not in ("auto", "uniform"):
+        from .plandsl import load_plan
+        given = load_plan(a.plan)
+    a.cluster = a.cluster or (given.cluster if given else DEFAULT_CLUSTER)
+    cluster = load_cluster(a.cluster)
+    seq_len = a.seq_len or (given.seq_len if given else None)
+    mb_trace = given.micro_batch if given else (a.micro_batch or 1)
+    costs = load_costs(a.model, args, mb_trace, seq_len)
+    seq_len = seq_len or costs.seq_len
+    gb = a.global_batch or (given.global_batch if given else max(8, cluster.total_chips))
+    model_name = a.model if Path(a.model).suffix == ".py" else costs.model
+
+    t0 = time.perf_counter()
+    result = None
+    if given is not None:
+        from .validate import validate_plan
+        plan = given
+        warnings = validate_plan(plan, costs, cluster)
+        cand = Candidate(plan, float("nan"), "file", sim=simulate(costs, plan, cluster))
+        uniform = None
+    elif a.plan == "uniform":
+        cand = uniform_plan(costs, cluster, gb, seq_len, a.micro_batch, a.schedule)
+        uniform, warnings = cand, []
+    else:
+        result = search(costs, cluster, gb, seq_len=seq_len, micro_batch=a.micro_batch,
+                        schedule=a.schedule, method=a.search)
+        cand, uniform, warnings = result.best, result.uniform, []
+    search_time = time.perf_counter() - t0
+    plan, sim = cand.plan, cand.sim
+    if given is None:
+        plan.model = model_name
+        plan.cluster = a.cluster if not Path(a.cluster).suffix else cluster.name
+
+    speedup = None
+    if not a.no_speedup and len([c for c in cluster.chip_types if cluster.count(c)]) > 1:
+        speedup = hetero_speedup(costs, cluster, cand, schedule=plan.schedule)
+
+    from .plandsl import format_plan
+    text = format_plan(plan)
+    header = (f"# {plan.model} on {cluster.name}: predicted step {sim.step_time_s:.4g} s, "
+              f"{sim.tokens_per_s:,.0f} tokens/s (h2c plan --plan {a.plan})\n")
+    if a.output:
+        Path(a.output).write_text(header + text)
+    if a.trace:
+        write_chrome_trace(a.trace, sim.events, sim.worker_names,
+                           {"kind": "predicted", "plan": text, "step_time_s": sim.step_time_s})
+
+    from .resource import ResourceModel
+    rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len)
+    rates = {c: rm.rates(c) for c in {s.chip for s in plan.stages}}
+    stages = []
+    for j, s in enumerate(plan.stages):
+        st, mem = sim.stage_times[j], sim.stage_memory[j]
+        stages.append({"chip": s.chip, "chips": s.chips, "tp": s.tp, "recompute": s.recompute,
+                       "layers": s.layers, "num_layers": len(s.layers),
+                       "fwd_s": st.fwd_s, "bwd_s": st.bwd_s,
+                       "peak_mem_bytes": mem.total, "mem_capacity_bytes": mem.capacity,
+                       "mem_items": mem.items, "inflight": mem.inflight})
+
+    def cand_json(c):
+        return {"kind": c.kind, "config": c.config.describe() if c.config else None,
+                "estimate_s": c.estimate_s, "step_time_s": c.step_time_s,
+                "tokens_per_s": c.tokens_per_s}
+
+    return {
+        "model": plan.model, "cluster": cluster.name, "dtype": cluster.dtype,
+        "chips": {c: cluster.count(c) for c in cluster.chip_types if cluster.count(c)},
+        "plan_mode": a.plan, "plan_text": text, "warnings": warnings,
+        "global_batch": plan.global_batch, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
+        "dp": plan.dp, "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
+        "stages": stages,
+        "step_time_s": sim.step_time_s,
+        "estimate_s": cand.estimate_s if cand.estimate_s == cand.estimate_s else None,
+        "tokens_per_s": sim.tokens_per_s, "bubble_fraction": sim.bubble_fraction,
+        "mfu": sim.mfu,
+        "rates": {c: {"flops": r.flops, "peak_flops": r.peak_flops, "mem_bw": r.mem_bw,
+                      "source": r.source} for c, r in rates.items()},
+        "fits": sim.fits,
+        "hetero_speedup_ratio": speedup.ratio if speedup else None,
+        "hetero_speedup_ratio_const_batch": speedup.ratio_const_batch if speedup else None,
+        "speedup": speedup.to_json() if speedup else None,
+        "uniform": cand_json(uniform) if uniform is not None else None,
+        "search_time_s": search_time,
+        "search": ({"method": result.method, "configs_total": result.configs_total,
+                    "configs_searched": result.configs_searched, "dfs_nodes": result.dfs_nodes}
+                   if result else None),
+        "runner_ups": [cand_json(c) for c in result.runner_ups] if result else [],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# human report
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _secs(t: float) -> str:
+    return f"{t:.3g} s" if t >= 0.1 else f"{t * 1e3:.3g} ms"
+
+
+def format_report(r: dict) -> str:
+    from .plandsl import format_layers
+    chips = ", ".join(f"{c} {n}" for c, n in r["chips"].items())
+    out = [f"{r['model']} on {r['cluster']} ({sum(r['chips'].values())} chips: {chips}; {r['dtype']})"]
+    how = {"auto": f"HeteroAuto ({r['search']['method'] if r['search'] else ''})",
+           "uniform": "uniform split"}.get(r["plan_mode"], f"from {r['plan_mode']}")
+    s = r["search"]
+    out.append(f"plan: {how}" + (f", searched {s['configs_searched']:,} of {s['configs_total']:,} "
+                                 f"configurations x orders in {r['search_time_s']:.2f} s" if s else ""))
+    out.append(f"batch: global {r['global_batch']}, micro {r['micro_batch']}, seq {r['seq_len']}; "
+               f"dp {r['dp']}, {r['num_microbatches']} micro-batches per replica, {r['schedule']}")
+    out.append("")
+    head = f"{'stage':>5}  {'chip':<12} {'chips':>5} {'tp':>3}  {'layers':<22} {'recomp':<6} " \
+           f"{'fwd+bwd/mb':>11}  {'memory/device':>22}"
+    out += [head, "-" * len(head)]
+    for j, st in enumerate(r["stages"]):
+        mem = f"{_gib(st['peak_mem_bytes'])} / {_gib(st['mem_capacity_bytes'])}"
+        pct = st["peak_mem_bytes"] / st["mem_capacity_bytes"] * 100
+        layers = format_layers(st["layers"])
+        if len(layers) > 22:
+            layers = layers[:19] + "..."
+        out.append(f"{j:>5}  {st['chip']:<12} {st['chips']:>5} {st['tp']:>3}  {layers:<22} "
+                   f"{st['recompute']:<6} {_secs(st['fwd_s'] + st['bwd_s']):>11}  "
+                   f"{mem:>17} {pct:3.0f}%")
+    out.append("")
+    est = f" (closed-form estimate {_secs(r['estimate_s'])})" if r["estimate_s"] else ""
+    out.append(f"predicted step time {_secs(r['step_time_s'])}{est}: {r['tokens_per_s']:,.0f} tokens/s, "
+               f"bubble {r['bubble_fraction'] * 100:.1f}%")
+    mfu = "  ".join(f"{c} {v * 100:.1f}%" + (" (of measured matmul)" if r["rates"][c]["source"] == "measured" else "")
+                    for c, v in r["mfu"].items())
+    out.append(f"MFU per chip type (model FLOPs / peak): {mfu}")
+    if not r["fits"]:
+        out.append("WARNING: some stage exceeds its devices' memory")
+    for w in r["warnings"]:
+        out.append(f"warning: {w}")
+    u = r["uniform"]
+    if u and r["plan_mode"] == "auto":
+        out.append(f"uniform baseline ({u['config']}): {_secs(u['step_time_s'])}, "
+                   f"{u['tokens_per_s']:,.0f} tokens/s -> HeteroAuto is "
+                   f"{u['step_time_s'] / r['step_time_s']:.2f}x faster")
+    sp = r["speedup"]
+    if sp:
+        parts = ", ".join(f"{c} {h['tokens_per_s']:,.0f} tok/s (batch {h['global_batch']})" if h
+                          else f"{c} cannot train it alone" for c, h in sp["homogeneous"].items())
+        ratio = f"{sp['ratio'] * 100:.2f}%" if sp["ratio"] else "n/a"
+        out.append(f"HeteroSpeedupRatio {ratio}: throughput / sum of each chip type's best "
+                   f"homogeneous throughput ({parts})")
+        if sp["ratio_const_batch"]:
+            out.append(f"  at constant global batch {r['global_batch']}: "
+                       f"{sp['ratio_const_batch'] * 100:.2f}%")
+    if r["runner_ups"]:
+        out.append("runner-ups:")
+        for i, c in enumerate(r["runner_ups"], 1):
+            out.append(f"  {i}. {_secs(c['step_time_s'])}  {c['kind']:<8} {c['config']}")
+    out.append("")
+    out.append(r["plan_text"].rstrip())
+    return "\n".join(out) + "\n"

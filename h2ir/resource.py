@@ -1,0 +1,641 @@
+"""Resource model: memory per device, compute and communication time per stage.
+
+The planner (`h2ir/search.py`), the simulator (`h2ir/simulate.py`) and the validator
+(`h2ir/validate.py`) all cost a plan through this module, so a number printed by one agrees with
+the others. Every formula cites where it comes from.
+
+Units: bytes, seconds, FLOP, FLOP/s, B/s. "Per device" means one chip: a stage's `chips` are
+dp * tp chips, and each holds 1/tp of the stage's dense parameters and activations.
+
+Model-state accounting (bytes per parameter, per device, before dividing by TP):
+
+    dtype     weights  grads  optimizer                     total
+    bf16/fp16    2       2    12 (fp32 master, m, v)          16   mixed-precision Adam,
+                                                                   ZeRO (Rajbhandari et al. 2020) Sec. 3.1
+    fp32         4       4     8 (m, v)                       16   fp32 AdamW (the CPU backends)
+
+The planning issue quotes "12 B/param for fp32 AdamW": that is the persistent state
+(weights 4 + m 4 + v 4). We also count the 4 B/param gradient buffer as its own item, because
+under 1F1B it is live from the first backward until `opt_step`, i.e. for most of the step, so a
+device that only fits 12 B/param would run out of memory in the middle of the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from .cluster import ChipType, Cluster, NodeGroup
+from .costs import LayerCost, ModelCosts, MoEInfo
+from .errors import H2Error
+from .plan import Plan
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise H2Error(f"unknown training dtype {dtype!r} (expected one of: {', '.join(DTYPE_BYTES)})")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of model state, split the way MemoryBreakdown reports it."""
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes_per_param(dtype: str) -> StateBytes:
+    if dtype_bytes(dtype) == 4:
+        # fp32 AdamW: weights + two moments = 12 B persistent, + 4 B gradient buffer.
+        return StateBytes(weights=4, grads=4, optimizer=8)
+    # Mixed-precision Adam, ZeRO Sec. 3.1: 2 (half weights) + 2 (half grads) + K=12
+    # (fp32 master weights, momentum, variance).
+    return StateBytes(weights=2, grads=2, optimizer=12)
+
+
+# ----------------------------------------------------------------------------------------------
+# costs at the plan's micro-batch and sequence length
+
+def costs_at(costs: ModelCosts, micro_batch: int, seq_len: int) -> ModelCosts:
+    """Per-micro-batch costs at another micro-batch size / sequence length.
+
+    Micro-batch scaling is exact (every term is linear in it, `ModelCosts.scaled`). Sequence
+    length scaling is linear in tokens, which under-counts attention's s^2 score term; the CLI
+    therefore captures the model at the plan's sequence length and this path is a fallback.
+    """
+    c = costs.scaled(micro_batch)
+    if seq_len and c.seq_len and seq_len != c.seq_len:
+        r = seq_len / c.seq_len
+        layers = tuple(dataclasses.replace(
+            l, fwd_flops=int(l.fwd_flops * r), bwd_flops=int(l.bwd_flops * r),
+            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r))
+            for l in c.layers)
+        c = dataclasses.replace(c, seq_len=seq_len, layers=layers)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives: pure formulas
+
+def ring_allreduce_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-reduce: 2(n-1)/n * bytes / bw (Patarasuk & Yuan 2009, Sec. 3), plus 2(n-1)
+    message latencies (reduce-scatter then all-gather, Thakur et al. 2005 Sec. 4)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+
+
+def hierarchical_allreduce_time(nbytes: float, per_node: int, nodes: int, intra_bw: float,
+                                inter_bw: float, intra_latency: float, inter_latency: float) -> float:
+    """Two-level all-reduce: intra-node reduce-scatter, inter-node ring on each 1/per_node shard
+    (all shards in parallel, each over its chip's NIC share), intra-node all-gather.
+    (Hierarchical/2D all-reduce as in Jia et al. 2018 "Highly scalable DL training system with
+    mixed-precision", Sec. 3.3; Thakur et al. 2005 for the reduce-scatter/all-gather halves.)"""
+    if per_node * nodes <= 1 or nbytes <= 0:
+        return 0.0
+    k, N = per_node, nodes
+    rs = (k - 1) / k * nbytes / intra_bw + (k - 1) * intra_latency
+    inter = ring_allreduce_time(nbytes / k, N, inter_bw, inter_latency)
+    return 2 * rs + inter
+
+
+def all_to_all_flat_time(nbytes: float, n: int, per_node: int, intra_bw: float, inter_bw: float,
+                         intra_latency: float, inter_latency: float) -> float:
+    """Flat all-to-all: every device sends 1/n of its `nbytes` to each of the n-1 others directly.
+    The (n - per_node)/n share that leaves the node goes over the NIC share, the rest over the
+    intra-node links, concurrently; one message per peer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = min(per_node, n)
+    intra = (k - 1) / n * nbytes / intra_bw
+    inter = (n - k) / n * nbytes / inter_bw
+    lat = (k - 1) * intra_latency + (n - k) * inter_latency
+    return max(intra, inter) + lat
+
+
+def all_to_all_halo_time(nbytes: float, n: int, per_node: int, intra_bw: float, inter_bw: float,
+                         intra_latency: float, inter_latency: float) -> float:
+    """Hierarchical (HALO-style) all-to-all: intra-node gather so each chip holds the tokens of
+    its node bound for one remote node, one aggregated exchange per node pair, intra-node scatter.
+    The inter-node bytes are the same as flat, but N-1 large messages replace n-k small ones, and
+    the two intra-node phases are added (Piper arXiv 2605.05049, hierarchical all-to-all)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = min(per_node, n)
+    N = max(1, math.ceil(n / k))
+    if N == 1:
+        return all_to_all_flat_time(nbytes, n, per_node, intra_bw, inter_bw, intra_latency, inter_latency)
+    local = (k - 1) / k * nbytes / intra_bw + (k - 1) * intra_latency
+    inter = (N - 1) / N * nbytes / inter_bw + (N - 1) * inter_latency
+    return 2 * local + inter
+
+
+@dataclass(frozen=True)
+class PiperMoEMemory:
+    attention_state: float
+    expert_state: float
+    expert_activations: float
+
+
+def piper_moe_memory(moe: MoEInfo, micro_batch: int, seq_len: int, ep: int) -> PiperMoEMemory:
+    """Piper (arXiv 2605.05049) per-device memory terms of one MoE block, bf16 mixed precision:
+    attention state 64*d^2 (4d^2 params x 16 B), expert state 48*E*d*d_ffn/EP (3*d*d_ffn params
+    per SwiGLU expert x 16 B), expert activations 2*b*s*k*(3*d_ffn + d)/EP (bf16 elements of
+    the routed tokens' expert intermediates)."""
+    d, f, E, k = moe.d_model, moe.d_ffn, moe.num_experts, moe.top_k
+    return PiperMoEMemory(
+        attention_state=64.0 * d * d,
+        expert_state=48.0 * E * d * f / ep,
+        expert_activations=2.0 * micro_batch * seq_len * k * (3 * f + d) / ep)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+
+@dataclass
+class MemoryBreakdown:
+    capacity: int                      # bytes per device
+    items: dict = field(default_factory=dict)   # name -> bytes per device
+    inflight: int = 0                  # micro-batches whose activations are held at the peak
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.items.values()))
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in self.items.items() if v)
+        return f"{_gib(self.total)} of {_gib(self.capacity)} ({parts})"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def inflight_microbatches(schedule: str, stage: int, num_stages: int, m: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak: S - j under 1F1B
+    (Narayanan et al. SC'21 Sec. 2.2: stage j does S-j warm-up forwards before its first
+    backward), all m under GPipe (Huang et al. 2019 Sec. 2.2)."""
+    if schedule == "gpipe":
+        return m
+    return max(1, min(num_stages - stage, m))
+
+
+class LayerArrays:
+    """Per-layer numbers of a model at one micro-batch/sequence length, as arrays, with prefix
+    sums so that any contiguous layer range is costed in O(1) (the search needs this)."""
+
+    def __init__(self, costs: ModelCosts, cluster_dtype: str):
+        self.costs = costs
+        self.layers = costs.layers
+        self.L = len(costs.layers)
+        self.act_scale = dtype_bytes(cluster_dtype) / max(1, costs.dtype_bytes)
+        self.state = state_bytes_per_param(cluster_dtype)
+        self.grad_bytes = self.state.grads
+        a = lambda f: np.array([f(l) for l in self.layers], dtype=np.float64)
+        self.params = a(lambda l: l.params)
+        self.expert_params = a(lambda l: (l.moe.num_experts * l.moe.expert_params) if l.moe else 0)
+        self.dense_params = self.params - self.expert_params
+        self.fwd_flops = a(lambda l: l.fwd_flops)
+        self.bwd_flops = a(lambda l: l.bwd_flops)
+        self.act = a(lambda l: l.act_saved_bytes) * self.act_scale
+        self.out = a(lambda l: l.out_bytes) * self.act_scale
+        # Expert activations of the routed tokens at EP=1 (Piper's term, in the cluster dtype):
+        # the part of act_saved_bytes that expert parallelism divides.
+        b, s = costs.micro_batch, costs.seq_len
+        bpe = dtype_bytes(cluster_dtype)
+        self.expert_act = a(lambda l: (bpe * b * s * l.moe.top_k * (3 * l.moe.d_ffn + l.moe.d_model))
+                            if l.moe else 0.0)
+        self.expert_act = np.minimum(self.expert_act, self.act)
+        self.is_block = np.array([l.kind in ("transformer_block", "moe_block") for l in self.layers])
+        self.is_embed = np.array([l.kind == "embedding" for l in self.layers])
+        self.names = [l.name for l in self.layers]
+        self._dev: dict = {}
+
+    def device(self, tp: int, ep: int = 1) -> "DeviceArrays":
+        key = (tp, ep)
+        if key not in self._dev:
+            self._dev[key] = DeviceArrays(self, tp, ep)
+        return self._dev[key]
+
+
+def _prefix(x: np.ndarray) -> list:
+    return np.concatenate([[0.0], np.cumsum(x)]).tolist()
+
+
+class DeviceArrays:
+    """Per-device memory arrays for TP degree `tp` and expert-parallel degree `ep`."""
+
+    def __init__(self, la: LayerArrays, tp: int, ep: int):
+        self.tp, self.ep = tp, ep
+        # Dense parameters split over TP (Megatron-LM, Shoeybi et al. 2019 Sec. 3); experts split
+        # over EP (Piper: expert state / EP).
+        self.params = la.dense_params / tp + la.expert_params / ep
+        # Activations: Korthikanti et al. 2022 ("Reducing activation recomputation") Sec. 4.2.2 —
+        # with tensor + sequence parallelism every activation term of a block divides by t;
+        # routed-expert activations divide by EP instead (Piper).
+        self.act = (la.act - la.expert_act) / tp + la.expert_act / ep
+        self.out = la.out / tp
+        self.P_params = _prefix(self.params)
+        self.P_act = _prefix(self.act)
+        self.P_out = _prefix(self.out)
+        # [a, e] -> the largest one-layer activation among layers a..e: the working set that
+        # full recomputation re-creates (only e >= a is meaningful)
+        L = la.L
+        self.act_range_max = np.zeros((L, L))
+        for i in range(L):
+            self.act_range_max[i, i:] = np.maximum.accumulate(self.act[i:])
+
+    def range_max_act(self, a: int, b: int) -> float:
+        return float(self.act_range_max[a, b - 1])
+
+
+def memory_items(la: LayerArrays, dev: DeviceArrays, a: int, b: int, inflight: int,
+                 recompute: str) -> dict:
+    """Per-device bytes of a stage that holds layers [a, b)."""
+    p = dev.P_params[b] - dev.P_params[a]
+    st = la.state
+    items = {"weights": p * st.weights, "grads": p * st.grads, "optimizer": p * st.optimizer}
+    if recompute == "full":
+        # Full recomputation (Chen et al. 2016; Korthikanti et al. 2022 Sec. 4.1): keep only each
+        # layer's input for every in-flight micro-batch, plus one layer's saved activations while
+        # that layer's backward re-runs its forward.
+        items["activations"] = inflight * (dev.P_out[b] - dev.P_out[a])
+        items["recompute_working_set"] = dev.range_max_act(a, b)
+    else:
+        items["activations"] = inflight * (dev.P_act[b] - dev.P_act[a])
+    # receive buffers: the incoming boundary activation and the incoming output gradient
+    items["p2p_buffers"] = (dev.out[a - 1] if a > 0 else 0.0) + dev.out[b - 1]
+    return {k: int(v) for k, v in items.items()}
+
+
+def stage_layer_range(plan: Plan, stage_index: int, names: list[str]) -> tuple[int, int]:
+    """The stage's layers as a contiguous index range [a, b) into the model's layer list."""
+    st = plan.stages[stage_index]
+    idx = sorted(names.index(n) for n in st.layers if n in names)
+    if not idx or len(idx) != len(st.layers):
+        missing = [n for n in st.layers if n not in names]
+        raise H2Error(f"stage {stage_index} names layers the model does not have: {missing[:5]}",
+                      file=plan.source, line=st.line or None)
+    a, b = idx[0], idx[-1] + 1
+    if b - a != len(idx):
+        raise H2Error(f"stage {stage_index}'s layers are not contiguous ({st.layers[0]}..{st.layers[-1]})",
+                      file=plan.source, line=st.line or None)
+    return a, b
+
+
+def _ep_of(plan: Plan) -> int:
+    return plan.moe.ep if plan.moe else 1
+
+
+@lru_cache(maxsize=64)
+def _layer_arrays_cached(costs: ModelCosts, dtype: str) -> LayerArrays:
+    return LayerArrays(costs, dtype)
+
+
+def layer_arrays(costs: ModelCosts, plan: Plan, cluster: Cluster) -> LayerArrays:
+    return _layer_arrays_cached(costs_at(costs, plan.micro_batch, plan.seq_len), cluster.dtype)
+
+
+def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: int,
+                 inflight: int | None = None) -> MemoryBreakdown:
+    """Peak bytes per device of stage `stage_index` (weights, gradients, optimizer states,
+    in-flight activations). `inflight` overrides the schedule's count (the simulator passes
+    the count it tracked from the instruction stream)."""
+    la = layer_arrays(costs, plan, cluster)
+    st = plan.stages[stage_index]
+    a, b = stage_layer_range(plan, stage_index, la.names)
+    dev = la.device(st.tp, _ep_of(plan))
+    if inflight is None:
+        inflight = inflight_microbatches(plan.schedule, stage_index, plan.num_stages,
+                                         plan.num_microbatches)
+    chip = cluster.chip(st.chip)
+    return MemoryBreakdown(capacity=int(chip.mem_bytes),
+                           items=memory_items(la, dev, a, b, inflight, st.recompute),
+                           inflight=inflight)
+
+
+# ----------------------------------------------------------------------------------------------
+# links
+
+def nic_share(g: NodeGroup) -> float:
+    """Inter-node bandwidth one chip gets when every chip of its node communicates at once."""
+    return g.nics_per_node * g.nic_bw / g.chips_per_node
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """How a group of `n` chips (one per TP group) spreads over nodes: `per_node` per node."""
+    n: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.n / self.per_node))
+
+
+def replica_geometry(g: NodeGroup, n: int, tp: int) -> GroupGeometry:
+    """A stage's n replicas are placed on consecutive chips (Megatron rank order tp, dp, pp:
+    Narayanan et al. SC'21 Sec. 3), so a node holds chips_per_node // tp of them."""
+    return GroupGeometry(n=n, per_node=max(1, min(n, g.chips_per_node // max(1, tp))))
+
+
+def group_allreduce_time(nbytes: float, g: NodeGroup, geo: GroupGeometry) -> float:
+    """All-reduce over a stage's replicas: ring inside one node, else the faster of a flat ring
+    (bottlenecked by the NIC share) and the hierarchical scheme — what NCCL-like libraries pick."""
+    if geo.n <= 1:
+        return 0.0
+    if geo.nodes == 1:
+        return ring_allreduce_time(nbytes, geo.n, g.intra_bw, g.intra_latency)
+    flat = ring_allreduce_time(nbytes, geo.n, min(g.intra_bw, nic_share(g)), g.inter_latency)
+    hier = hierarchical_allreduce_time(nbytes, geo.per_node, geo.nodes, g.intra_bw, nic_share(g),
+                                       g.intra_latency, g.inter_latency)
+    return min(flat, hier)
+
+
+def tp_allreduce_time(nbytes: float, g: NodeGroup, tp: int) -> float:
+    """TP groups live inside one node (tp <= chips_per_node): ring over the intra-node links."""
+    return ring_allreduce_time(nbytes, tp, g.intra_bw, g.intra_latency)
+
+
+def p2p_link(cluster: Cluster, chip_a: str, tp_a: int, chip_b: str, tp_b: int,
+             dp: int) -> tuple[float, float]:
+    """(latency, bandwidth) of the path from a stage on `chip_a` to the next on `chip_b`.
+
+    With TP, each of the tp ranks sends 1/tp of the tensor (scatter/gather optimisation,
+    Narayanan et al. SC'21 Sec. 4.1), so the path's bandwidth is min(tp_a * bw_a, tp_b * bw_b).
+    Intra-node when both stages are on the same node group and the two stages' chips of all
+    replicas (dp * (tp_a + tp_b)) fit in one node; otherwise over NICs, limited by the slower
+    side's per-chip NIC share.
+    """
+    ga, gb = cluster.group(chip_a), cluster.group(chip_b)
+    if ga is gb and dp * (tp_a + tp_b) <= ga.chips_per_node:
+        return ga.intra_latency, min(tp_a, tp_b) * ga.intra_bw
+    return max(ga.inter_latency, gb.inter_latency), min(tp_a * nic_share(ga), tp_b * nic_share(gb))
+
+
+def p2p_time(nbytes: float, cluster: Cluster, chip_a: str, tp_a: int, chip_b: str, tp_b: int,
+             dp: int) -> float:
+    """One micro-batch's boundary tensor between consecutive stages: latency + bytes / bandwidth
+    (Hockney's model), over the path `p2p_link` picks."""
+    if nbytes <= 0:
+        return 0.0
+    lat, bw = p2p_link(cluster, chip_a, tp_a, chip_b, tp_b, dp)
+    return lat + nbytes / bw
+
+
+# ----------------------------------------------------------------------------------------------
+# compute rates
+
+@dataclass(frozen=True)
+class ChipRates:
+    flops: float                 # achievable FLOP/s on transformer layers
+    mem_bw: float                # B/s, for memory-bound work (optimizer step)
+    peak_flops: float            # denominator of MFU
+    source: str                  # 'catalog' or 'measured'
+    backend: str = ""
+
+
+def measured_calibration(backend: str, calibration=None):
+    """The calibration to use for a measured chip on `backend`: the one given if it has the
+    backend, else the stored one (measuring and caching the backend if it is missing)."""
+    if calibration is not None and calibration.has_backend(backend):
+        return calibration
+    from .calibration import ensure_calibration
+    return ensure_calibration([backend])
+
+
+def chip_rates(chip: ChipType, cluster: Cluster, calibration=None) -> ChipRates:
+    """Achievable FLOP/s of a chip: peak x efficiency from the catalog (chip.flops), or, for
+    `measured` chips, what `h2c profile` measured (single-thread matmul FLOP/s and copy
+    bandwidth of the chip's backend, `h2ir/calibration.py`); measured now if none is cached."""
+    if chip.measured:
+        cal = measured_calibration(chip.backend, calibration)
+        f = cal.matmul_flops(chip.backend)
+        return ChipRates(flops=f, mem_bw=cal.mem_bw(chip.backend), peak_flops=f,
+                         source="measured", backend=chip.backend)
+    peak = chip.peak_flops.get(cluster.dtype) or chip.peak_flops.get("fp32")
+    if not peak:
+        raise H2Error(f"chip {chip.name!r} has no peak FLOP/s for {cluster.dtype} or fp32")
+    return ChipRates(flops=chip.flops(cluster.dtype), mem_bw=chip.mem_bw, peak_flops=peak,
+                     source="catalog", backend=chip.backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# time
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per-layer per-micro-batch times on one (chip, tp, ep), comm included, with prefix sums."""
+    fwd: list            # prefix sums, len L+1
+    bwd: list            # no recomputation
+    bwd_rc: list         # full recomputation: backward + a re-run forward
+    fwd_layer: list      # per layer (not prefix), for lower bounds
+    bwd_layer: list
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    fwd_s: float                # one micro-batch's forward on the stage (TP / all-to-all included)
+    bwd_s: float                # one micro-batch's backward (recompute included)
+    send_act_s: float           # to the next stage (0 on the last)
+    send_grad_s: float          # to the previous stage (0 on the first)
+    dp_allreduce_s: float
+    opt_step_s: float
+
+
+class ResourceModel:
+    """Times and memory of stages of one model on one cluster at one micro-batch/seq length."""
+
+    def __init__(self, costs: ModelCosts, cluster: Cluster, micro_batch: int | None = None,
+                 seq_len: int | None = None, calibration=None):
+        mb = micro_batch or costs.micro_batch
+        sl = seq_len or costs.seq_len
+        self.costs = costs_at(costs, mb, sl)
+        self.cluster = cluster
+        self.calibration = calibration
+        self.la = _layer_arrays_cached(self.costs, cluster.dtype)
+        self._rates: dict = {}
+        self._times: dict = {}
+        self._cals: dict = {}
+
+    @property
+    def L(self) -> int:
+        return self.la.L
+
+    def rates(self, chip: str) -> ChipRates:
+        if chip not in self._rates:
+            self._rates[chip] = chip_rates(self.cluster.chip(chip), self.cluster, self.calibration)
+        return self._rates[chip]
+
+    def _measured_layer_time(self, rates: ChipRates, l: LayerCost):
+        if rates.source != "measured":
+            return None
+        cal = self._cals.get(rates.backend)
+        if cal is None:
+            cal = self._cals[rates.backend] = measured_calibration(rates.backend, self.calibration)
+        return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len)
+
+    def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat") -> LayerTimes:
+        key = (chip, tp, ep, a2a)
+        if key in self._times:
+            return self._times[key]
+        r = self.rates(chip)
+        g = self.cluster.group(chip)
+        la = self.la
+        fwd, bwd = [], []
+        for i, l in enumerate(la.layers):
+            measured = self._measured_layer_time(r, l)
+            if measured is not None:
+                # h2c profile / compiled-program timings, per layer kind, scaled to this layer
+                f_c, b_c = measured[0] / tp, measured[1] / tp
+            else:
+                # compute: FLOPs / achievable FLOP/s, split over TP (Megatron-LM Sec. 3)
+                f_c = l.fwd_flops / (tp * r.flops)
+                b_c = l.bwd_flops / (tp * r.flops)
+            comm = 0.0
+            if tp > 1:
+                # Megatron-LM (Shoeybi et al. 2019) Sec. 3, Fig. 4: two all-reduces of the b*s*d
+                # block output per transformer block in the forward and two in the backward; the
+                # vocab-parallel embedding needs one per pass.
+                n_ar = 2 if la.is_block[i] else (1 if la.is_embed[i] else 0)
+                comm += n_ar * tp_allreduce_time(la.out[i], g, tp)
+            if l.moe is not None and ep > 1:
+                # dispatch + combine all-to-all per pass of the routed tokens' hidden states
+                # (b*s*k*d elements) among the EP group (GShard, Lepikhin et al. 2020 Sec. 2.2).
+                nbytes = (self.costs.micro_batch * self.costs.seq_len * l.moe.top_k * l.moe.d_model
+                          * dtype_bytes(self.cluster.dtype) / tp)
+                geo = replica_geometry(g, ep, tp)
+                fn = all_to_all_halo_time if a2a == "halo" else all_to_all_flat_time
+                comm += 2 * fn(nbytes, ep, geo.per_node, g.intra_bw, nic_share(g),
+                               g.intra_latency, g.inter_latency)
+            fwd.append(f_c + comm)
+            bwd.append(b_c + comm)
+        f = np.array(fwd)
+        b = np.array(bwd)
+        lt = LayerTimes(fwd=_prefix(f), bwd=_prefix(b), bwd_rc=_prefix(b + f),
+                        fwd_layer=f.tolist(), bwd_layer=b.tolist())
+        self._times[key] = lt
+        return lt
+
+    # -- one stage ---------------------------------------------------------------------------
+    def compute_times(self, chip: str, tp: int, a: int, b: int, recompute: str, ep: int = 1,
+                      a2a: str = "flat") -> tuple[float, float]:
+        lt = self.layer_times(chip, tp, ep, a2a)
+        f = lt.fwd[b] - lt.fwd[a]
+        bw = (lt.bwd_rc if recompute == "full" else lt.bwd)
+        return f, bw[b] - bw[a]
+
+    def boundary_bytes(self, b: int) -> float:
+        """Bytes of one micro-batch's activations leaving a stage that ends before layer b."""
+        return float(self.la.out[b - 1])
+
+    def dp_allreduce_time(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1) -> float:
+        """Gradient all-reduce over the stage's dp replicas (data parallelism; Patarasuk & Yuan
+        ring, or hierarchical across nodes); gradients in the training dtype's grad width."""
+        if dp <= 1:
+            return 0.0
+        dev = self.la.device(tp, ep)
+        return self.grad_allreduce_time(chip, tp, dp, (dev.P_params[b] - dev.P_params[a]) * self.la.grad_bytes)
+
+    def grad_allreduce_time(self, chip: str, tp: int, dp: int, nbytes: float) -> float:
+        if dp <= 1:
+            return 0.0
+        g = self.cluster.group(chip)
+        return group_allreduce_time(nbytes, g, replica_geometry(g, dp, tp))
+
+    def opt_step_coef(self, chip: str) -> float:
+        """Seconds per parameter (per device) of the optimizer step. AdamW is elementwise and
+        memory-bound (roofline, Williams et al. 2009): it reads every state byte (weights,
+        grads, optimizer) and writes back weights and optimizer state."""
+        st = self.la.state
+        return (st.total + st.weights + st.optimizer) / self.rates(chip).mem_bw
+
+    def opt_step_time(self, chip: str, tp: int, a: int, b: int, ep: int = 1) -> float:
+        dev = self.la.device(tp, ep)
+        return (dev.P_params[b] - dev.P_params[a]) * self.opt_step_coef(chip)
+
+    def stage_times(self, plan: Plan, j: int) -> StageTimes:
+        S = plan.num_stages
+        st = plan.stages[j]
+        ep = _ep_of(plan)
+        a2a = plan.moe.a2a if plan.moe else "flat"
+        a, b = stage_layer_range(plan, j, self.la.names)
+        f, bw = self.compute_times(st.chip, st.tp, a, b, st.recompute, ep, a2a)
+        send_act = send_grad = 0.0
+        if j + 1 < S:
+            nxt = plan.stages[j + 1]
+            send_act = p2p_time(self.boundary_bytes(b), self.cluster, st.chip, st.tp,
+                                nxt.chip, nxt.tp, plan.dp)
+        if j > 0:
+            prv = plan.stages[j - 1]
+            send_grad = p2p_time(self.boundary_bytes(a), self.cluster, st.chip, st.tp,
+                                 prv.chip, prv.tp, plan.dp)
+        return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
+                          dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep),
+                          opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep))
+
+    def stage_flops(self, plan: Plan, j: int) -> float:
+        """Model FLOPs (forward + backward, no recompute) of one micro-batch on stage j, all TP."""
+        a, b = stage_layer_range(plan, j, self.la.names)
+        return float(self.la.fwd_flops[a:b].sum() + self.la.bwd_flops[a:b].sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# analytic costs (when no traced graph is at hand: tests, benchmarks, quick what-ifs)
+
+def analytic_llama_costs(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int,
+                         vocab: int, seq_len: int, micro_batch: int = 1, dtype_bytes: int = 4,
+                         moe: MoEInfo | None = None) -> ModelCosts:
+    """LLaMA-style layer costs from the architecture's numbers alone.
+
+    FLOPs per token (forward): QKVO projections 8d^2, attention scores and values 4*s*d,
+    SwiGLU MLP 6*d*ffn (Narayanan et al. SC'21 Sec. 5.1 counts the same terms for GPT); head
+    2*d*vocab; backward = 2x forward (ibid.). Parameters per block 4d^2 + 3*d*ffn + 2d.
+    Saved activations per token: 14*d + 4*ffn elements, what `h2c ir --summary` reports for
+    examples/llama_tiny.py's block with SDPA (no s^2 score matrix is kept).
+    With `moe`, every block is a MoE block of `moe.num_experts` SwiGLU experts of width moe.d_ffn
+    (router d*E), each token visiting top_k of them.
+    """
+    b, s, d = micro_batch, seq_len, d_model
+    tok = b * s
+    layers = [LayerCost("embed", "embedding", params=vocab * d, param_bytes=vocab * d * dtype_bytes,
+                        fwd_flops=0, bwd_flops=0, act_saved_bytes=tok * 8,
+                        out_bytes=tok * d * dtype_bytes)]
+    for i in range(n_layers):
+        if moe is None:
+            p = 4 * d * d + 3 * d * ffn + 2 * d
+            f = tok * (8 * d * d + 4 * s * d + 6 * d * ffn)
+            act = tok * (14 * d + 4 * ffn) * dtype_bytes
+            kind = "transformer_block"
+        else:
+            e = 3 * d * moe.d_ffn
+            p = 4 * d * d + d * moe.num_experts + moe.num_experts * e + 2 * d
+            f = tok * (8 * d * d + 4 * s * d + 2 * d * moe.num_experts + 6 * d * moe.d_ffn * moe.top_k)
+            act = tok * (14 * d + moe.top_k * (3 * moe.d_ffn + d)) * dtype_bytes
+            kind = "moe_block"
+        layers.append(LayerCost(f"block.{i}", kind, params=p, param_bytes=p * dtype_bytes,
+                                fwd_flops=f, bwd_flops=2 * f, act_saved_bytes=act,
+                                out_bytes=tok * d * dtype_bytes,
+                                moe=dataclasses.replace(moe, expert_params=3 * d * moe.d_ffn) if moe else None))
+    ph = vocab * d + d
+    layers.append(LayerCost("head", "head", params=ph, param_bytes=ph * dtype_bytes,
+                            fwd_flops=2 * tok * d * vocab, bwd_flops=4 * tok * d * vocab,
+                            act_saved_bytes=tok * (d + vocab) * dtype_bytes,
+                            out_bytes=tok * vocab * dtype_bytes))
+    return ModelCosts(model=name, micro_batch=b, seq_len=s, layers=tuple(layers), d_model=d,
+                      n_heads=n_heads, vocab=vocab, dtype_bytes=dtype_bytes)

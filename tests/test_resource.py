@@ -1,0 +1,261 @@
+"""Resource model: memory accounting, collective and p2p formulas, compute times, calibration."""
+import json
+
+import pytest
+
+from h2ir.calibration import (Calibration, ensure_calibration, load_calibration,
+                              record_layer_times, save_calibration)
+from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.costs import MoEInfo
+from h2ir.errors import H2Error
+from h2ir.plan import MoEPlan, Plan, StagePlan
+from h2ir.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
+                           analytic_llama_costs, hierarchical_allreduce_time, p2p_time,
+                           piper_moe_memory, ring_allreduce_time, stage_memory,
+                           state_bytes_per_param)
+
+GiB = 2 ** 30
+
+
+def chip(name="X", tflops=100.0, mem_gib=80, backend="cuda", measured=False, eff=0.5):
+    return ChipType(name, backend, "v", {"bf16": tflops * 1e12, "fp32": tflops * 1e12 / 4},
+                    mem_gib * GiB, 2e12, efficiency=eff, measured=measured)
+
+
+def cluster(dtype="bf16", chips=None, groups=None):
+    chips = chips or {"X": chip("X"), "Y": chip("Y", tflops=50, mem_gib=40)}
+    groups = groups or (NodeGroup("X", 2, 8, intra_bw=200e9, nics_per_node=4, nic_bw=25e9),
+                        NodeGroup("Y", 2, 8, intra_bw=100e9, nics_per_node=2, nic_bw=25e9))
+    return Cluster("t", chips, groups, dtype=dtype)
+
+
+def costs(layers=8, d=1024, seq=512, mb=1):
+    return analytic_llama_costs("m", layers, d, 8, 4 * d, 8000, seq, micro_batch=mb, dtype_bytes=4)
+
+
+def plan_of(c, stages, dp=1, gb=8, mb=1, schedule="1f1b", moe=None):
+    return Plan("m", "t", gb, mb, c.seq_len, stages, dp=dp, schedule=schedule, moe=moe)
+
+
+def split(c, counts, chips=("X",), tp=1, dp=1, recompute="none"):
+    names, out, i = c.layer_names(), [], 0
+    for j, n in enumerate(counts):
+        out.append(StagePlan(chips[j % len(chips)], dp * tp, names[i:i + n], tp=tp, recompute=recompute))
+        i += n
+    assert i == len(names)
+    return out
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def test_state_bytes_follow_zero_and_the_fp32_accounting():
+    mixed = state_bytes_per_param("bf16")
+    assert (mixed.weights, mixed.grads, mixed.optimizer, mixed.total) == (2, 2, 12, 16)
+    fp32 = state_bytes_per_param("fp32")
+    assert fp32.weights + fp32.optimizer == 12          # the issue's persistent 12 B/param
+    assert fp32.total == 16                             # plus the live gradient buffer
+
+
+def test_analytic_100b_has_the_h2_parameter_count():
+    c = analytic_llama_costs("llama_100b", 96, 8192, 64, 36864, 32000, 4096)
+    assert len(c.layers) == 98
+    assert c.total_params == pytest.approx(113.27e9, rel=1e-3)
+
+
+def test_weights_grads_optimizer_are_divided_by_tp():
+    c, cl = costs(), cluster()
+    p = c.total_params
+    for tp in (1, 2, 4):
+        plan = plan_of(c, split(c, [len(c.layers)], tp=tp))
+        m = stage_memory(c, plan, cl, 0)
+        assert m.items["weights"] == pytest.approx(2 * p / tp, rel=1e-6)
+        assert m.items["grads"] == pytest.approx(2 * p / tp, rel=1e-6)
+        assert m.items["optimizer"] == pytest.approx(12 * p / tp, rel=1e-6)
+        assert m.capacity == 80 * GiB
+
+
+def test_1f1b_stage_j_holds_s_minus_j_microbatches_and_gpipe_holds_m():
+    c, cl = costs(layers=6), cluster()
+    S, m = 4, 8
+    for schedule, expect in (("1f1b", [4, 3, 2, 1]), ("gpipe", [m] * S)):
+        plan = plan_of(c, split(c, [2, 2, 2, 2]), gb=m, schedule=schedule)
+        for j in range(S):
+            mem = stage_memory(c, plan, cl, j)
+            assert mem.inflight == expect[j]
+            a = sum(c.layer(n).act_saved_bytes for n in plan.stages[j].layers) / 2   # fp32 -> bf16
+            assert mem.items["activations"] == pytest.approx(expect[j] * a, rel=1e-6)
+
+
+def test_full_recompute_keeps_layer_inputs_and_one_working_set():
+    c, cl = costs(layers=6), cluster()
+    plan = plan_of(c, split(c, [8], recompute="full"), gb=4)
+    mem = stage_memory(c, plan, cl, 0)
+    inflight = 1
+    outs = sum(l.out_bytes for l in c.layers) / 2
+    assert mem.items["activations"] == pytest.approx(inflight * outs, rel=1e-6)
+    assert mem.items["recompute_working_set"] == pytest.approx(max(l.act_saved_bytes for l in c.layers) / 2, rel=1e-6)
+    none = stage_memory(c, plan_of(c, split(c, [8]), gb=4), cl, 0)
+    assert mem.total < none.total
+
+
+def test_piper_moe_terms():
+    moe = MoEInfo(num_experts=8, top_k=2, d_model=1024, d_ffn=2048, expert_params=3 * 1024 * 2048)
+    t = piper_moe_memory(moe, micro_batch=2, seq_len=512, ep=4)
+    assert t.attention_state == 64 * 1024 ** 2
+    assert t.expert_state == 48 * 8 * 1024 * 2048 / 4
+    assert t.expert_activations == 2 * 2 * 512 * 2 * (3 * 2048 + 1024) / 4
+
+
+def test_moe_expert_state_divides_by_ep():
+    moe = MoEInfo(num_experts=8, top_k=2, d_model=512, d_ffn=1024, expert_params=0)
+    c = analytic_llama_costs("moe", 4, 512, 8, 2048, 4000, 256, moe=moe, dtype_bytes=2)
+    cl = cluster()
+    names = c.layer_names()
+    mems = []
+    for ep in (1, 2, 4):
+        plan = plan_of(c, [StagePlan("X", 4, names, tp=1)], dp=4, gb=8, moe=MoEPlan(ep=ep))
+        mems.append(stage_memory(c, plan, cl, 0).items["weights"])
+    expert = sum(l.moe.num_experts * l.moe.expert_params for l in c.layers if l.moe)
+    assert mems[0] - mems[1] == pytest.approx(2 * expert / 2, rel=1e-6)
+    assert mems[0] - mems[2] == pytest.approx(2 * expert * 3 / 4, rel=1e-6)
+
+
+# -- collectives and links -----------------------------------------------------------------------
+
+def test_ring_allreduce_is_patarasuk_yuan():
+    assert ring_allreduce_time(1e9, 4, 1e9, 0.0) == pytest.approx(2 * 3 / 4)
+    assert ring_allreduce_time(1e9, 1, 1e9, 1.0) == 0.0
+    assert ring_allreduce_time(0, 8, 1e9, 1e-5) == 0.0
+    assert ring_allreduce_time(1e6, 4, 1e9, 1e-3) == pytest.approx(1.5e-3 + 6e-3)
+
+
+def test_hierarchical_allreduce_beats_flat_ring_over_slow_nics():
+    nbytes, k, N = 1e9, 8, 4
+    hier = hierarchical_allreduce_time(nbytes, k, N, intra_bw=200e9, inter_bw=10e9,
+                                       intra_latency=0, inter_latency=0)
+    flat = ring_allreduce_time(nbytes, k * N, 10e9, 0)
+    assert hier < flat
+    # intra RS + AG: 2 * 7/8 * 1e9 / 200e9; inter ring on 1/8 shards over 4 nodes
+    assert hier == pytest.approx(2 * 7 / 8 * 1e9 / 200e9 + 2 * 3 / 4 * (1e9 / 8) / 10e9)
+
+
+def test_halo_all_to_all_saves_latency_across_nodes_and_equals_flat_in_one_node():
+    args = (1e6, 64, 8, 200e9, 10e9, 2e-6, 20e-6)
+    assert all_to_all_halo_time(*args) < all_to_all_flat_time(*args)
+    one = (1e6, 8, 8, 200e9, 10e9, 2e-6, 20e-6)
+    assert all_to_all_halo_time(*one) == all_to_all_flat_time(*one)
+
+
+def test_p2p_intra_node_vs_nic_and_cross_type():
+    cl = cluster()
+    intra = p2p_time(1e8, cl, "X", 1, "X", 1, 1)
+    assert intra == pytest.approx(cl.group("X").intra_latency + 1e8 / 200e9)
+    # 8 replicas x 2 stages do not fit a node of 8 -> NIC share 4 x 25e9 / 8 per chip
+    nic = p2p_time(1e8, cl, "X", 1, "X", 1, 8)
+    assert nic == pytest.approx(cl.group("X").inter_latency + 1e8 / (4 * 25e9 / 8))
+    # X -> Y: the slower side's NIC share (Y: 2 NICs for 8 chips), times TP (scatter/gather)
+    cross = p2p_time(1e8, cl, "X", 2, "Y", 2, 1)
+    assert cross == pytest.approx(10e-6 + 1e8 / (2 * 2 * 25e9 / 8))
+
+
+# -- compute time ----------------------------------------------------------------------------------
+
+def test_tp_divides_compute_and_adds_two_allreduces_per_block_per_pass():
+    c, cl = costs(), cluster()
+    rm = ResourceModel(c, cl)
+    i = c.layer_names().index("block.0")
+    blk = c.layers[i]
+    t1 = rm.layer_times("X", 1)
+    t4 = rm.layer_times("X", 4)
+    rate = cl.chip("X").flops("bf16")
+    assert t1.fwd_layer[i] == pytest.approx(blk.fwd_flops / rate)
+    ar = ring_allreduce_time(blk.out_bytes / 2, 4, 200e9, cl.group("X").intra_latency)
+    assert t4.fwd_layer[i] == pytest.approx(blk.fwd_flops / (4 * rate) + 2 * ar)
+    assert t4.bwd_layer[i] == pytest.approx(blk.bwd_flops / (4 * rate) + 2 * ar)
+
+
+def test_recompute_adds_a_forward_to_the_backward():
+    c, cl = costs(), cluster()
+    rm = ResourceModel(c, cl)
+    f, b = rm.compute_times("X", 1, 1, 5, "none")
+    f2, b2 = rm.compute_times("X", 1, 1, 5, "full")
+    assert f2 == f and b2 == pytest.approx(b + f)
+
+
+def test_micro_batch_scales_compute_linearly():
+    c, cl = costs(), cluster()
+    f1, _ = ResourceModel(c, cl, micro_batch=1).compute_times("X", 1, 0, len(c.layers), "none")
+    f4, _ = ResourceModel(c, cl, micro_batch=4).compute_times("X", 1, 0, len(c.layers), "none")
+    assert f4 == pytest.approx(4 * f1, rel=1e-6)
+
+
+def fake_calibration(flops=50e9, bw=10e9, layer_times=None):
+    return Calibration(backends={b: {"threads": 1, "dtype": "fp32", "matmul": {"512": flops},
+                                     "matmul_flops": flops, "mem_bw": bw, "quick": False}
+                                 for b in ("torch", "numpy")},
+                       layer_times=layer_times or {})
+
+
+def local_cluster():
+    cpu = ChipType("cpu", "torch", "cpu", {"fp32": 1e11}, 8 * GiB, 1e10, measured=True)
+    return Cluster("local", {"cpu": cpu}, (NodeGroup("cpu", 1, 2, intra_bw=2e9),), dtype="fp32")
+
+
+def test_measured_chips_use_calibration_not_catalog_peaks():
+    c, cl = costs(), local_cluster()
+    rm = ResourceModel(c, cl, calibration=fake_calibration(flops=50e9))
+    r = rm.rates("cpu")
+    assert r.source == "measured" and r.flops == 50e9 and r.mem_bw == 10e9
+    i = c.layer_names().index("block.0")
+    assert rm.layer_times("cpu", 1).fwd_layer[i] == pytest.approx(c.layers[i].fwd_flops / 50e9)
+
+
+def test_recorded_layer_times_are_preferred_and_scaled_by_tokens():
+    c, cl = costs(seq=512), local_cluster()
+    rec = {"torch": {"transformer_block": {"fwd_s": 0.01, "bwd_s": 0.03, "micro_batch": 1, "seq_len": 256}}}
+    rm = ResourceModel(c, cl, micro_batch=2, calibration=fake_calibration(layer_times=rec))
+    i = c.layer_names().index("block.3")
+    lt = rm.layer_times("cpu", 1)
+    assert lt.fwd_layer[i] == pytest.approx(0.01 * 4)        # 2 x 512 tokens vs 1 x 256
+    assert lt.bwd_layer[i] == pytest.approx(0.03 * 4)
+    # the head has no recorded kind: FLOPs / measured matmul rate
+    h = c.layer_names().index("head")
+    assert lt.fwd_layer[h] == pytest.approx(2 * c.layers[h].fwd_flops / 50e9)
+
+
+def test_calibration_file_round_trip_and_record_layer_times(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("H2_CALIBRATION", str(path))
+    assert load_calibration() is None
+    save_calibration(fake_calibration())
+    record_layer_times("numpy", "transformer_block", 0.5, 1.0, 2, 64, fwd_flops=100, bwd_flops=200)
+    cal = load_calibration()
+    assert cal.matmul_flops("torch") == 50e9
+    assert cal.layer_times["numpy"]["transformer_block"]["fwd_flops"] == 100
+    d = json.loads(path.read_text())
+    assert d["version"] == 1 and "torch" in d["backends"]
+    with pytest.raises(H2Error):
+        record_layer_times("numpy", "transformer_block", -1.0, 1.0, 2, 64)
+    path.write_text("{not json")
+    with pytest.raises(H2Error) as e:
+        load_calibration()
+    assert str(path) in str(e.value)
+
+
+def test_missing_backend_is_measured_quickly_and_cached(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("H2_CALIBRATION", str(path))
+    cal = ensure_calibration(["numpy"])
+    rec = cal.backends["numpy"]
+    assert rec["threads"] == 1 and rec["quick"] is True
+    assert 1e8 < rec["matmul_flops"] < 1e13 and 1e8 < rec["mem_bw"] < 1e13
+    assert json.loads(path.read_text())["backends"]["numpy"]["matmul_flops"] == rec["matmul_flops"]
+    # cached: a second call does not re-measure
+    again = ensure_calibration(["numpy"])
+    assert again.backends["numpy"]["measured_at"] == rec["measured_at"]
+
+
+def test_unknown_backend_cannot_be_measured_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2_CALIBRATION", str(tmp_path / "c.json"))
+    with pytest.raises(H2Error, match="cannot measure backend"):
+        ensure_calibration(["cann"])

@@ -1,0 +1,270 @@
+"""HeteroAuto search, uniform baseline, HeteroSpeedupRatio and `h2c plan`."""
+import itertools
+import json
+import random
+
+import pytest
+
+from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.costs import MoEInfo
+from h2ir.errors import H2Error
+from h2ir.resource import ResourceModel, analytic_llama_costs, stage_memory
+from h2ir.search import (REL_TOL, Config, StageLine, _configs, chip_counts, hetero_speedup,
+                         memory_orders, search, uniform_plan)
+
+GiB = 2 ** 30
+
+
+def costs_100b():
+    # H2's evaluation model: 96 blocks, d 8192, 64 heads, SwiGLU 36864, seq 4096, vocab 32000
+    return analytic_llama_costs("llama_100b", 96, 8192, 64, 36864, 32000, 4096)
+
+
+def check_plan_is_sound(plan, costs, cluster):
+    names = costs.layer_names()
+    assigned = [n for s in plan.stages for n in s.layers]
+    assert assigned == names                                  # every layer once, in order
+    used = {}
+    for s in plan.stages:
+        assert s.chips == plan.dp * s.tp
+        used[s.chip] = used.get(s.chip, 0) + s.chips
+    assert used == chip_counts(cluster)                       # every chip in use
+    for j in range(plan.num_stages):
+        m = stage_memory(costs, plan, cluster, j)
+        assert m.total <= m.capacity, (j, str(m))
+
+
+def test_100b_on_h2_1024_fits_and_assigns_every_layer_once():
+    from h2ir.clusterfile import load_cluster
+    from h2ir.plandsl import format_plan, parse_plan
+    from h2ir.validate import validate_plan
+    cluster = load_cluster("h2-1024")
+    costs = costs_100b()
+    r = search(costs, cluster, 1024)
+    check_plan_is_sound(r.plan, costs, cluster)
+    validate_plan(r.plan, costs, cluster)
+    assert parse_plan(format_plan(r.plan)) == r.plan
+    assert r.sim.fits and r.sim.step_time_s > 0
+    # auto beats the uniform split and is never predicted slower than anything it ranked
+    assert r.uniform is not None and r.best.step_time_s < r.uniform.step_time_s
+    assert all(r.best.step_time_s <= c.step_time_s for c in r.runner_ups)
+    assert len({c.config.order for c in r.runner_ups if c.config}) > 1   # orders were compared
+
+
+# -- heuristic vs exhaustive on small random instances ------------------------------------------
+
+def random_instance(seed):
+    rng = random.Random(seed)
+    d = rng.choice([256, 512, 1024])
+    ffn = d * rng.choice([2, 3, 4])
+    costs = analytic_llama_costs("rand", rng.randint(4, 16), d, 8, ffn, 4096,
+                                 rng.choice([128, 256, 512]), dtype_bytes=2)
+    per_block = (4 * d * d + 3 * d * ffn) * 16
+    chips, groups = {}, []
+    for t in range(rng.randint(1, 3)):
+        name = f"T{t}"
+        chips[name] = ChipType(name, "cuda", "v", {"bf16": rng.uniform(10e12, 100e12)},
+                               int(per_block * rng.uniform(4, 16)), rng.uniform(0.5e12, 3e12),
+                               efficiency=rng.uniform(0.3, 0.6))
+        n = rng.choice([1, 2, 2, 4])
+        cpn = rng.choice([1, 2, 4])
+        cpn = min(cpn, n) if n % min(cpn, n) == 0 else 1
+        groups.append(NodeGroup(name, n // cpn, cpn, intra_bw=rng.uniform(20e9, 200e9),
+                                nic_bw=rng.uniform(5e9, 25e9)))
+    return costs, Cluster("rand", chips, tuple(groups), dtype="bf16"), rng.choice([4, 8, 16])
+
+
+def test_heteroauto_matches_exhaustive_on_random_small_instances():
+    within = total = 0
+    for seed in range(64):
+        costs, cluster, gb = random_instance(seed)
+        assert len(costs.layers) <= 24 and len(cluster.chip_types) <= 3
+        try:
+            h = search(costs, cluster, gb)
+        except H2Error:
+            continue                                  # nothing fits: both searches agree below
+        x = search(costs, cluster, gb, method="exhaustive")
+        total += 1
+        within += h.best.step_time_s <= 1.01 * x.best.step_time_s
+        assert h.uniform is None or h.best.step_time_s <= h.uniform.step_time_s
+        check_plan_is_sound(h.plan, costs, cluster)
+    assert total >= 50
+    assert within >= 0.95 * total, f"{within}/{total} within 1% of exhaustive"
+
+
+def test_dfs_finds_the_estimate_optimum_of_each_line():
+    """Branch and bound is exact for the closed-form estimate (up to REL_TOL)."""
+    checked = 0
+    for seed in range(40):
+        costs, cluster, gb = random_instance(seed)
+        cfgs, counts = _configs(costs, cluster, gb, [1], "1f1b")
+        for mb, dp, m, tps in cfgs[:2]:
+            rm = ResourceModel(costs, cluster, mb, costs.seq_len)
+            for order in memory_orders(cluster, list(counts))[:2]:
+                line = StageLine(rm, Config(dp, mb, m, tps, order, tuple(sorted(counts.items()))),
+                                 "1f1b", 1, "flat")
+                every = line.all_splits(1)
+                found, _ = line.best_split()
+                assert bool(every) == bool(found)
+                if every:
+                    assert found[0][0] <= every[0][0] * (1 + 2 * REL_TOL)
+                    checked += 1
+    assert checked >= 20
+
+
+def test_exhaustive_refuses_huge_instances():
+    cluster = Cluster("c", {"A": ChipType("A", "cuda", "v", {"bf16": 1e14}, 80 * GiB, 2e12)},
+                      (NodeGroup("A", 4, 8, intra_bw=1e11),), dtype="bf16")
+    costs = analytic_llama_costs("m", 60, 512, 8, 2048, 4000, 128, dtype_bytes=2)
+    with pytest.raises(H2Error, match="heuristic"):
+        search(costs, cluster, 32, method="exhaustive", dp_options=[1])
+
+
+def test_orders_put_larger_memory_first_then_every_permutation():
+    costs, cluster, _ = random_instance(3)
+    cl = Cluster("c", {"s": ChipType("s", "cuda", "v", {"bf16": 1e14}, 10 * GiB, 1e12),
+                       "b": ChipType("b", "cuda", "v", {"bf16": 1e14}, 90 * GiB, 1e12),
+                       "m": ChipType("m", "cuda", "v", {"bf16": 1e14}, 40 * GiB, 1e12)},
+                 tuple(NodeGroup(c, 1, 1, intra_bw=1e11) for c in "sbm"))
+    orders = memory_orders(cl, ["s", "b", "m"])
+    assert orders[0] == ("b", "m", "s")
+    assert sorted(orders) == sorted(itertools.permutations("bms"))
+
+
+def two_type_cluster(same=False):
+    a = ChipType("A", "cuda", "v", {"bf16": 300e12}, 80 * GiB, 2e12)
+    b = ChipType("B", "cuda", "v", {"bf16": (300e12 if same else 120e12)}, (80 if same else 96) * GiB, 2e12)
+    g = lambda c: NodeGroup(c, 2, 4, intra_bw=200e9, nics_per_node=2, nic_bw=25e9)
+    return Cluster("two", {"A": a, "B": b}, (g("A"), g("B")), dtype="bf16")
+
+
+def test_uniform_plan_splits_blocks_evenly():
+    costs = analytic_llama_costs("m", 10, 1024, 8, 4096, 8000, 512, dtype_bytes=2)
+    cand = uniform_plan(costs, two_type_cluster(), 16)
+    counts = [sum(n.startswith("block.") for n in s.layers) for s in cand.plan.stages]
+    assert max(counts) - min(counts) <= 1
+    assert cand.plan.stages[0].layers[0] == "embed" and cand.plan.stages[-1].layers[-1] == "head"
+    assert len({s.tp for s in cand.plan.stages}) == 1
+
+
+def test_hetero_speedup_ratio_is_throughput_over_sum_of_homogeneous():
+    costs = analytic_llama_costs("m", 8, 1024, 8, 4096, 8000, 512, dtype_bytes=2)
+    cl = two_type_cluster()
+    r = search(costs, cl, 16)
+    sp = hetero_speedup(costs, cl, r.best)
+    homo = sum(h["tokens_per_s"] for h in sp.homo.values())
+    assert sp.ratio == pytest.approx(r.best.tokens_per_s / homo)
+    assert {h["global_batch"] for h in sp.homo.values()} == {8}          # proportional to chips
+    assert {h["global_batch"] for h in sp.homo_const.values()} == {16}
+    # two identical chip types: the mixed cluster is just a bigger homogeneous one
+    same = two_type_cluster(same=True)
+    sp2 = hetero_speedup(costs, same, search(costs, same, 16).best)
+    assert 0.9 < sp2.ratio < 1.1
+
+
+def test_gpipe_and_moe_plans_are_costed():
+    moe = MoEInfo(num_experts=8, top_k=2, d_model=512, d_ffn=1024, expert_params=0)
+    costs = analytic_llama_costs("moe", 6, 512, 8, 2048, 4000, 256, moe=moe, dtype_bytes=2)
+    cl = two_type_cluster()
+    r = search(costs, cl, 16, schedule="gpipe")
+    assert r.plan.schedule == "gpipe"
+    check_plan_is_sound(r.plan, costs, cl)
+    if r.plan.dp > 1:
+        assert r.plan.moe is not None and r.plan.moe.ep > 1
+    r2 = search(costs, cl, 16, dp_options=[4])
+    assert r2.plan.dp == 4 and r2.plan.moe.ep == 4 and r2.plan.moe.a2a in ("flat", "halo")
+
+
+def test_no_fit_is_an_error():
+    tiny = Cluster("tiny", {"A": ChipType("A", "cuda", "v", {"bf16": 1e14}, GiB // 4, 1e12)},
+                   (NodeGroup("A", 1, 2, intra_bw=1e11),))
+    with pytest.raises(H2Error, match="fits"):
+        search(analytic_llama_costs("m", 4, 2048, 8, 8192, 32000, 2048, dtype_bytes=2), tiny, 8)
+
+
+# -- h2c plan -----------------------------------------------------------------------------------
+
+CLUSTER_TOML = """
+name  = "two"
+dtype = "bf16"
+
+[chips.A]
+vendor = "v"
+backend = "cuda"
+peak_tflops = { bf16 = 300 }
+mem_gib = 80
+mem_bw_gbs = 2000
+
+[chips.B]
+vendor = "v"
+backend = "cuda"
+peak_tflops = { bf16 = 120 }
+mem_gib = 96
+mem_bw_gbs = 2000
+
+[[nodes]]
+chip = "A"
+count = 2
+chips_per_node = 4
+intra_bw_gbs = 200
+nic_gbps = 200
+
+[[nodes]]
+chip = "B"
+count = 2
+chips_per_node = 4
+intra_bw_gbs = 200
+nic_gbps = 200
+"""
+
+
+@pytest.fixture
+def plan_inputs(tmp_path):
+    costs = analytic_llama_costs("m", 8, 1024, 8, 4096, 8000, 512, dtype_bytes=4)
+    cj = tmp_path / "costs.json"
+    cj.write_text(json.dumps(costs.to_json()))
+    ct = tmp_path / "two.toml"
+    ct.write_text(CLUSTER_TOML)
+    return str(cj), str(ct)
+
+
+def test_cli_json_report_and_plan_file_round_trip(plan_inputs, tmp_path, capsys):
+    from h2ir.plancli import main
+    cj, ct = plan_inputs
+    out = tmp_path / "p.h2plan"
+    trace = tmp_path / "t.json"
+    assert main([cj, "--cluster", ct, "--global-batch", "16", "--json", "-o", str(out),
+                 "--trace", str(trace)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("stages", "step_time_s", "tokens_per_s", "hetero_speedup_ratio", "search_time_s"):
+        assert k in r
+    for s in r["stages"]:
+        assert {"chip", "chips", "layers", "peak_mem_bytes", "mem_capacity_bytes"} <= set(s)
+        assert s["peak_mem_bytes"] <= s["mem_capacity_bytes"]
+    assert r["hetero_speedup_ratio"] > 0
+    assert r["step_time_s"] <= r["uniform"]["step_time_s"]
+    assert any(e.get("ph") == "X" for e in json.loads(trace.read_text())["traceEvents"])
+    # the written plan is accepted back, and predicts the same step
+    assert main([cj, "--cluster", ct, "--plan", str(out), "--json", "--no-speedup"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step_time_s"] == pytest.approx(r["step_time_s"])
+    assert [s["layers"] for s in again["stages"]] == [s["layers"] for s in r["stages"]]
+
+
+def test_cli_human_report_and_uniform(plan_inputs, capsys):
+    from h2ir.plancli import main
+    cj, ct = plan_inputs
+    assert main([cj, "--cluster", ct, "--global-batch", "16", "--plan", "uniform", "--no-speedup"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted step time" in text and "tokens/s" in text and "stage chip=" in text
+
+
+def test_cli_errors_exit_2(plan_inputs, tmp_path, capsys):
+    from h2ir.plancli import main
+    cj, ct = plan_inputs
+    assert main([cj, "--cluster", "no-such-cluster"]) == 2
+    assert "error" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main([str(bad), "--cluster", ct]) == 2
+    assert "layer-cost JSON" in capsys.readouterr().err
