@@ -277,16 +277,23 @@ def main(argv: list[str]) -> int:
                                  "bandwidth) and store it for the planner.")
     ap.add_argument("--backend", default="all", choices=("torch", "numpy", "all"))
     ap.add_argument("--quick", action="store_true", help="small sizes, about a second")
-    ap.add_argument("--model", help="also show the per-layer times the planner would use for "
-                    "this model file (or layer-cost JSON)")
+    ap.add_argument("--model", help="also measure this model file's per-layer forward/backward "
+                    "times on each backend (its own compiled programs, one thread) and show the "
+                    "per-layer times the planner will use")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
         backends = BACKENDS if a.backend == "all" else (a.backend,)
         cal = profile(backends, quick=a.quick)
+        if a.model and a.model.endswith(".py"):
+            from executor.profile import record
+            from frontend.capture import parse_model_args
+            record(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len, backends,
+                   log=(lambda *x: None) if a.json else print)
+            cal = load_calibration(cal.path)
         layers = _model_layer_times(a, cal, backends) if a.model else None
     except H2Error as e:
         print(str(e), file=sys.stderr)

@@ -43,18 +43,26 @@ class BuildResult:
 
 
 def resolve_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
-                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = ""):
-    """A Plan from 'auto' (HeteroAuto), 'uniform' or a .h2plan file."""
+                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
+                 executable: bool = True):
+    """A Plan from 'auto' (HeteroAuto), 'uniform' or a .h2plan file. `executable` keeps the search
+    to what h2x runs today (tp=1, no expert parallelism)."""
     from h2ir import search as heteroauto
-    from h2ir.plan import Plan
+    from h2ir.calibration import ensure_calibration
+    from backends.base import resolve_stack
 
+    measured = [resolve_stack(c.backend)[0] for c in cluster.chip_types.values()
+                if c.measured and resolve_stack(c.backend)]
+    cal = ensure_calibration(measured) if measured else None
+    max_tp = 1 if executable else None
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-                                schedule=schedule, method=search)
+                                schedule=schedule, method=search, calibration=cal, max_tp=max_tp)
         plan = res.plan
     elif plan_arg == "uniform":
         plan = heteroauto.uniform_plan(costs, cluster, global_batch, seq_len=seq_len,
-                                       micro_batch=micro_batch, schedule=schedule).plan
+                                       micro_batch=micro_batch, schedule=schedule, calibration=cal,
+                                       max_tp=max_tp).plan
     else:
         from h2ir.plandsl import load_plan
         plan = load_plan(plan_arg)
@@ -156,7 +164,8 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     cap = trace_model(model_path, model_args, mb_trace, seq_len)
     costs = cap.graph.layer_costs()
     plan = resolve_plan(plan_arg, costs, cluster, global_batch=global_batch, micro_batch=micro_batch,
-                        seq_len=seq_len, schedule=schedule, search=search, model_path=model_path)
+                        seq_len=seq_len, schedule=schedule, search=search, model_path=model_path,
+                        executable=not dry_run)
     if plan.micro_batch != mb_trace:      # the search chose another micro-batch: trace at it
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()

@@ -574,7 +574,7 @@ def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, t
 
 
 def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batches, schedule: str,
-             dp_options=None):
+             dp_options=None, max_tp: int | None = None):
     """All (dp, micro-batch, tp per type) choices with 1 <= stages <= layers; orders added later."""
     counts = chip_counts(cluster)
     if not counts:
@@ -592,7 +592,8 @@ def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batch
             if global_batch % (dp * mb):
                 continue
             m = global_batch // (dp * mb)
-            opts = [tp_options(cluster, c, counts[c] // dp, costs.n_heads) for c in chips]
+            opts = [[t for t in tp_options(cluster, c, counts[c] // dp, costs.n_heads)
+                     if max_tp is None or t <= max_tp] for c in chips]
             for tps in itertools.product(*opts):
                 S = sum(counts[c] // (dp * t) for c, t in zip(chips, tps))
                 if 1 <= S <= L:
@@ -640,11 +641,11 @@ def _uniform_bounds(costs: ModelCosts, S: int) -> list[int] | None:
 
 def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
                        micro_batches, schedule: str, calibration=None, rms=None, dp_options=None,
-                       kinds: dict | None = None):
+                       kinds: dict | None = None, max_tp: int | None = None):
     """Uniform plans (one TP degree for all stages, larger-memory chips first, even layer
     split) for every dp / micro-batch / TP; each with its estimate. Sorted, best first."""
     rms = rms if rms is not None else {}
-    cfgs, counts = _configs(costs, cluster, global_batch, micro_batches, schedule, dp_options)
+    cfgs, counts = _configs(costs, cluster, global_batch, micro_batches, schedule, dp_options, max_tp)
     out = []
     for mb, dp, m, tps in cfgs:
         if len({t for _, t in tps}) != 1:
@@ -668,11 +669,13 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
 
 
 def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int | None = None,
-                 micro_batch: int | None = None, schedule: str = "1f1b", calibration=None) -> Candidate:
+                 micro_batch: int | None = None, schedule: str = "1f1b", calibration=None,
+                 max_tp: int | None = None) -> Candidate:
     """The baseline: best uniform plan by simulated step time among the top few by estimate."""
     seq_len = seq_len or costs.seq_len
     mbs = [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
-    cands = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule, calibration)
+    cands = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule, calibration,
+                               max_tp=max_tp)
     if not cands:
         raise H2Error(f"no uniform plan of {costs.model} fits {cluster.name} "
                       f"(global batch {global_batch})")
@@ -809,7 +812,8 @@ class _ConfigBound:
 
 def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
            micro_batch: int | None = None, schedule: str = "1f1b", method: str = "heuristic",
-           calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 30_000) -> SearchResult:
+           calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 30_000,
+           max_tp: int | None = None) -> SearchResult:
     """HeteroAuto: the plan with the lowest simulated step time among the best candidates.
 
     Heuristic: best-first over lazily refined lower bounds. A configuration enters with a
@@ -826,7 +830,7 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
     t0 = time.perf_counter()
     seq_len = seq_len or costs.seq_len
     mbs = [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
-    cfgs, counts = _configs(costs, cluster, global_batch, mbs, schedule, dp_options)
+    cfgs, counts = _configs(costs, cluster, global_batch, mbs, schedule, dp_options, max_tp)
     orders = memory_orders(cluster, list(counts))
     counts_t = tuple(sorted(counts.items()))
     rms: dict[int, ResourceModel] = {}
@@ -906,7 +910,7 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
             del found[keep * 4:]
 
     uniforms = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule,
-                                  calibration, rms, dp_options, kinds)
+                                  calibration, rms, dp_options, kinds, max_tp)
     if not found and not uniforms:
         raise H2Error(f"no plan of {costs.model} fits in {cluster.name}'s memory "
                       f"(global batch {global_batch}, micro-batches {mbs})",
