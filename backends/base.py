@@ -34,6 +34,9 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         ...
 
+    def accumulate(self, dst, src) -> None:
+        """dst += src in place (gradient accumulation across micro-batches)."""
+
     def adamw_step(self, params: list, grads: list, exp_avg: list, exp_avg_sq: list, step: int,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
         """In-place AdamW (Loshchilov & Hutter 2019), same formula as torch.optim.AdamW."""
@@ -44,7 +47,13 @@ def missing_kernels(graph: Graph, backend) -> set[str]:
 
 
 def run_program(graph: Graph, backend, inputs: dict) -> list:
-    """Interpret `graph` on `backend`. `inputs` maps every input/const/param name to a tensor."""
+    """Run `graph` on `backend`. `inputs` maps every input/const/param name to a tensor."""
+    return compile_program(graph, backend)(inputs)
+
+
+def interpret_program(graph: Graph, backend, inputs: dict) -> list:
+    """Reference interpreter: one dict lookup per value, node by node (torch.fx.Interpreter's
+    way). `compile_program` must give the same results."""
     env = dict(inputs)
     ops = backend.ops
     for layer in graph.layers:
@@ -57,6 +66,63 @@ def run_program(graph: Graph, backend, inputs: dict) -> list:
                 for v, o in zip(n.outputs, out):
                     env[v.name] = o
     return [env[v.name] for v in graph.outputs]
+
+
+def compile_program(graph: Graph, backend):
+    """Lower `graph` to a Python function over `backend`'s kernels (as torch.fx's codegen does):
+    values become local variables, attributes are bound once, and each intermediate is dropped
+    right after its last use so the allocator reuses hot memory. Cached per (graph, backend)."""
+    cache = backend.__dict__.setdefault("_h2_programs", {})   # lives as long as the backend
+    hit = cache.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    names: dict[int, str] = {}
+
+    def var(v: Value) -> str:
+        if id(v) not in names:
+            names[id(v)] = f"v{len(names)}"
+        return names[id(v)]
+
+    nodes = [n for layer in graph.layers for n in layer.nodes]
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        for v in n.input_values():
+            last_use[id(v)] = i
+    keep = {id(v) for v in graph.outputs}
+    consts: dict[str, object] = {}
+    lines = ["def program(env):"]
+    for v in graph.inputs + graph.consts + graph.all_params():
+        if id(v) in last_use or id(v) in keep:
+            lines.append(f"    {var(v)} = env[{v.name!r}]")
+    for i, n in enumerate(nodes):
+        k = f"k{i}"
+        consts[k] = backend.ops[n.op]
+        args = []
+        for a in n.inputs:
+            if isinstance(a, Value):
+                args.append(var(a))
+            else:
+                c = f"c{len(consts)}"
+                consts[c] = a
+                args.append(c)
+        attrs = full_attrs(n)
+        if attrs:
+            c = f"a{i}"
+            consts[c] = attrs
+            args.append(f"**{c}")
+        outs = ", ".join(var(v) for v in n.outputs) + ("," if len(n.outputs) > 1 else "")
+        lines.append(f"    {outs} = {k}({', '.join(args)})")
+        dead = [var(v) for v in n.input_values() if last_use.get(id(v)) == i and id(v) not in keep]
+        dead += [var(v) for v in n.outputs if id(v) not in last_use and id(v) not in keep]
+        if dead:
+            lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
+    lines.append(f"    return [{', '.join(var(v) for v in graph.outputs)}]")
+    code = "\n".join(lines) + "\n"
+    scope: dict = dict(consts)
+    exec(compile(code, f"<h2ir program {graph.name} on {backend.name}>", "exec"), scope)
+    fn = scope["program"]
+    cache[id(graph)] = (graph, fn)
+    return fn
 
 
 def get_backend(name: str, **options):

@@ -9,7 +9,7 @@ layers, 8 micro-batches of 2 x 128 tokens, 1F1B, one thread per worker, AdamW, f
 Prints median steady-state step times and the ratios h2x/anchor (>= 1.0 means h2x is faster)
 and limit/h2x (1.0 would be a perfect pipeline with no overheads).
 
-    .venv/bin/python bench/bench_pipeline.py [--steps 8]
+    .venv/bin/python bench/bench_pipeline.py [--steps 8] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -145,6 +145,7 @@ def single_worker_step(steps: int) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pp-worker", type=int, default=None)
     ap.add_argument("--port", type=int)
     ap.add_argument("--out")
@@ -152,14 +153,21 @@ def main():
     if a.pp_worker is not None:
         pipelining_worker(a.pp_worker, a.port, a.steps, a.out)
         return
-    tokens = S * 0 + M * MB * SEQ
-    pp = run_pipelining(a.steps)
-    h2 = run_h2x(a.steps)
+    tokens = M * MB * SEQ
+    # Alternate the two systems for --rounds rounds: this machine's speed drifts over minutes,
+    # and alternating spreads that drift over both. Medians over all steady-state steps.
+    pp_t, h2_t = [], []
+    for _ in range(a.rounds):
+        pp = run_pipelining(a.steps)
+        h2 = run_h2x(a.steps)
+        pp_t += pp["times"][1:]
+        h2_t += h2["times"][1:]
     single = single_worker_step(max(3, a.steps // 2))
-    t_pp = statistics.median(pp["times"][1:])
-    t_h2 = statistics.median(h2["times"][1:])
+    t_pp = statistics.median(pp_t)
+    t_h2 = statistics.median(h2_t)
     t_lim = single / S * (M + S - 1) / M
-    print(f"llama_tiny, {S} stages x 4 layers, {M} micro-batches of {MB}x{SEQ}, 1F1B, 1 thread/worker")
+    print(f"llama_tiny, {S} stages x 4 layers, {M} micro-batches of {MB}x{SEQ}, 1F1B, 1 thread/worker"
+          f" ({a.rounds} rounds x {a.steps - 1} steady steps each)")
     print(f"  torch.distributed.pipelining (anchor): {t_pp:.3f} s/step  {tokens / t_pp:8.0f} tokens/s")
     print(f"  h2x (shm):                             {t_h2:.3f} s/step  {tokens / t_h2:8.0f} tokens/s")
     print(f"  bubble-bound limit:                    {t_lim:.3f} s/step  (single worker {single:.3f} s)")

@@ -122,6 +122,11 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
     status.flush()
     t0 = time.perf_counter()
     env = dict(os.environ, H2_SECRET=secret, H2_T0=repr(t0), PYTHONUNBUFFERED="1")
+    # Keep freed activation buffers in the heap instead of returning them to the OS: every
+    # micro-batch allocates the same sizes again, and re-faulting fresh pages costs ~10 % of a
+    # CPU step (glibc's dynamic mmap threshold would otherwise map large tensors anew each time).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 31))
     procs, errs = [], []
     for w in range(W):
         cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path), "--worker", str(w),

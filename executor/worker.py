@@ -17,6 +17,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse
+import gc
 import json
 import sys
 import threading
@@ -107,6 +108,7 @@ class Worker(StreamInterpreter):
         self.grads_out: dict[int, dict] = {}      # mb -> received output grads
         self.grads_in: dict[int, dict] = {}       # mb -> input grads to send upstream
         self.param_grads: dict = {}
+        self.owned_grads: set = set()
         self.losses: list[float] = []
 
     # ---- compute -------------------------------------------------------------------------------
@@ -156,7 +158,13 @@ class Worker(StreamInterpreter):
         for k in self.param_names:
             if k in grads:
                 g = grads[k]
-                self.param_grads[k] = g if k not in self.param_grads else add(self.param_grads[k], g)
+                if k not in self.param_grads:
+                    self.param_grads[k] = g             # may be a view of something else: not ours
+                elif k not in self.owned_grads:
+                    self.param_grads[k] = add(self.param_grads[k], g)   # a fresh buffer we own
+                    self.owned_grads.add(k)
+                else:                                   # accumulate in place: no new allocation
+                    self.be.accumulate(self.param_grads[k], g)
         if not self.first:
             gin = {}
             for k in self.grad_inputs:
@@ -216,6 +224,10 @@ class Worker(StreamInterpreter):
     # ---- the step loop -------------------------------------------------------------------------
     def run(self, start: int, steps: int, ckpt_every: int, ckpt_dir: Path | None, t_origin: float):
         lanes = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
+        # Reference counting frees tensors; the cyclic collector only adds pauses mid-step.
+        gc.collect()
+        gc.freeze()
+        gc.disable()
         for step in range(start, steps):
             self.reset_step(step)
             t_step = time.perf_counter()
@@ -231,6 +243,7 @@ class Worker(StreamInterpreter):
             if self.last:
                 ev["loss"] = float(np.mean(self.losses))
             self.emit(ev)
+            gc.collect(0)
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
                 save_worker_checkpoint(ckpt_dir, step + 1, self)
                 self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1})
@@ -245,6 +258,19 @@ def _np_dtype(a: np.ndarray) -> str:
 
 def _host(dtype: str):
     return {"bf16": np.uint16, "f32": np.float32, "f64": np.float64, "f16": np.float16}[dtype]
+
+
+def _pin_to_core(wid: int) -> None:
+    """One worker per core when there are enough cores: no migrations, warm private caches."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    if len(cores) > 1:
+        try:
+            os.sched_setaffinity(0, {cores[wid % len(cores)]})
+        except OSError:
+            pass
 
 
 def main(argv=None) -> int:
@@ -275,6 +301,7 @@ def main(argv=None) -> int:
 
     build = BuildDir(a.build)
     W = len(build.workers)
+    _pin_to_core(a.worker)
     status_all = np.memmap(a.status, dtype=np.float64, mode="r+", shape=(W, STATUS_FIELDS))
     status = status_all[a.worker]
     parent = os.getppid()

@@ -443,6 +443,8 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
             in_types["targets"] = TensorType("i64", tuple(out_val.shape[:-1]))
         fwd, bwd, info = _compose(name, s, lprogs[i:i + n], ins, outs, passthrough, in_types, last)
         i += n
+        bwd.eliminate_dead_code()      # AOTAutograd's backward can carry unused recomputation
+        fwd.eliminate_dead_code()
         fwd.verify()
         bwd.verify()
         progs.append(StageProgram(

@@ -78,6 +78,23 @@ class Graph:
                 return l
         raise KeyError(name)
 
+    # ---- passes ------------------------------------------------------------------------------
+    def eliminate_dead_code(self) -> int:
+        """Drop nodes none of whose results is used (communication ops are kept: they have
+        effects). Returns how many nodes were removed."""
+        used = {id(v) for v in self.outputs}
+        removed = 0
+        for layer in reversed(self.layers):
+            keep = []
+            for n in reversed(layer.nodes):
+                if n.opdef.group is opset.Group.COMM or any(id(v) in used for v in n.outputs):
+                    keep.append(n)
+                    used.update(id(v) for v in n.input_values())
+                else:
+                    removed += 1
+            layer.nodes = keep[::-1]
+        return removed
+
     # ---- checking ----------------------------------------------------------------------------
     def verify(self) -> None:
         """Every value defined once before use; every node's types match its op's shape rule."""

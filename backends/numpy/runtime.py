@@ -42,6 +42,9 @@ class NumpyBackend:
             return a
         return np.array(a, dtype=want)          # writeable: AdamW updates parameters in place
 
+    def accumulate(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.add(dst, src, out=dst)
+
     def to_numpy(self, t: np.ndarray) -> np.ndarray:
         return np.asarray(t)
 

@@ -177,7 +177,12 @@ def log_softmax_bwd(grad, out, dim):
 
 
 def embedding_bwd(grad, ids, num_weights):
-    return aten.embedding_dense_backward(grad, ids, num_weights, -1, False)
+    # index_add_ is several times faster than embedding_dense_backward on CPU; on CUDA the
+    # dense backward kernel is the tuned one.
+    if grad.device.type != "cpu":
+        return aten.embedding_dense_backward(grad, ids, num_weights, -1, False)
+    d = grad.shape[-1]
+    return grad.new_zeros(num_weights, d).index_add_(0, ids.reshape(-1), grad.reshape(-1, d))
 
 
 def slice_bwd(grad, shape, dim, start=None, end=None, step=1):

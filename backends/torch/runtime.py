@@ -51,6 +51,9 @@ class TorchBackend:
             t = t.view(torch.bfloat16)
         return t.to(self.device)                  # a no-op on CPU
 
+    def accumulate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.add_(src)
+
     def to_numpy(self, t: torch.Tensor) -> np.ndarray:
         """Tensor -> host array; on CPU a view of the tensor's memory (bf16 leaves as its uint16
         bits)."""
@@ -79,4 +82,4 @@ class TorchBackend:
         with torch.no_grad():
             torch_adamw(params, grads, exp_avg, exp_avg_sq, [], steps, amsgrad=False,
                         beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-                        maximize=False)
+                        maximize=False, foreach=True)   # multi-tensor kernels: one call per op
