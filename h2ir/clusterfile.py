@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 
 from h2ir.cluster import ChipType, Cluster, NodeGroup
-from h2ir.errors import H2Error
+from h2ir.errors import H2Error, read_user_file
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog" / "chips.toml"
 # Built-in clusters live in the repository's examples/clusters; with `pip install -e .` the
@@ -62,13 +62,7 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
     """Load a cluster from a .toml path, or a built-in name (`local`, `local-mixed`, `h2-768`,
     `h2-1024`: the files in examples/clusters)."""
     path = _resolve(path_or_name)
-    try:
-        text = path.read_text(encoding="utf-8-sig")   # tolerate a BOM
-    except OSError as e:
-        raise H2Error(f"cannot read cluster file: {e.strerror}", file=str(path)) from None
-    except UnicodeDecodeError as e:
-        raise H2Error(f"cluster file is not UTF-8 text ({e.reason} at byte {e.start})",
-                      file=str(path)) from None
+    text = read_user_file(path, "cluster file")
     return parse_cluster(text, file=str(path), default_name=path.stem)
 
 

@@ -6,6 +6,19 @@ it is never shown as a traceback.
 from __future__ import annotations
 
 
+def read_user_file(path, what: str) -> str:
+    """Text of a user's input file (a BOM is tolerated); unreadable or non-UTF-8 is an H2Error."""
+    from pathlib import Path
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise H2Error(f"cannot read {what}: {e.strerror}", file=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise H2Error(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})",
+                      file=str(path)) from None
+
+
 class H2Error(Exception):
     def __init__(self, message: str, file: str | None = None, line: int | None = None,
                  col: int | None = None, hint: str | None = None):

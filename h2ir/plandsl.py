@@ -28,7 +28,7 @@ from pathlib import Path
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from h2ir.errors import H2Error
+from h2ir.errors import H2Error, read_user_file
 from h2ir.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, MoEPlan, Plan, StagePlan
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
@@ -65,14 +65,7 @@ def parse_plan(text: str, file: str = "<string>") -> Plan:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")   # tolerate a BOM
-    except OSError as e:
-        raise H2Error(f"cannot read plan file: {e.strerror}", file=str(path)) from None
-    except UnicodeDecodeError as e:
-        raise H2Error(f"plan file is not UTF-8 text ({e.reason} at byte {e.start})",
-                      file=str(path)) from None
-    return parse_plan(text, file=str(path))
+    return parse_plan(read_user_file(path, "plan file"), file=str(path))
 
 
 def format_plan(plan: Plan) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from lark import Lark, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, \
     UnexpectedToken, v_args
 
-from h2ir.errors import H2Error
+from h2ir.errors import H2Error, read_user_file
 from h2ir.graph import Graph, Layer, Node, Value, check_node_types
 from h2ir.types import TensorType
 
@@ -262,8 +262,4 @@ class _Resolve:
 
 
 def load_graph(path: str) -> Graph:
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise H2Error(f"cannot read h2ir file: {e.strerror}", path) from None
-    return parse_graph(text, path)
+    return parse_graph(read_user_file(path, "h2ir file"), str(path))
