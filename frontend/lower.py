@@ -184,11 +184,19 @@ _full.wants_out = True
 
 
 def _like(value):
+    """zeros_like/ones_like/full_like/new_*: a constant of the traced result's shape and dtype."""
     def f(em, x, *args, _out=None, **kwargs):
-        v = value if value is not None else args[0]
+        v = value if value is not None else (args[0] if args else kwargs["fill_value"])
         return em("full", shape=list(_out.shape), value=v, dtype=h2_dtype(_out.dtype))
     f.wants_out = True
     return f
+
+
+def _scalar_tensor(em, s, *args, _out=None, **kwargs):
+    return em("full", shape=[], value=s, dtype=h2_dtype(_out.dtype))
+
+
+_scalar_tensor.wants_out = True
 
 
 def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
@@ -335,7 +343,7 @@ ATEN: dict = {
     aten.nll_loss_backward.default: _nll_bwd,
     aten.full.default: _full,
     aten.zeros.default: _like(0.0), aten.ones.default: _like(1.0),
-    aten.scalar_tensor.default: _like(None),
+    aten.scalar_tensor.default: _scalar_tensor,
     aten.zeros_like.default: _like(0.0), aten.ones_like.default: _like(1.0),
     aten.full_like.default: _like(None),
     aten.new_zeros.default: _like(0.0), aten.new_ones.default: _like(1.0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import import_module
 
@@ -98,6 +99,13 @@ def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:      # a bug of ours, not the user's input: say so, briefly
+        if os.environ.get("H2_DEBUG"):
+            raise
+        print(f"{prog} {argv[0]}: internal error: {type(e).__name__}: {e}\n"
+              f"  this is a bug in h2, not in your input; rerun with H2_DEBUG=1 for the traceback "
+              f"and report it", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
