@@ -98,6 +98,7 @@ def split_stages(cap: Capture, stage_layers: list[list[str]]):
     for a in model_outs:
         last_use[a.name] = S
     order = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
 
     def crossing(s):   # activations defined before stage s and used at or after it
         return sorted((k for k, d in defined.items() if d < s and last_use.get(k, -1) >= s),
@@ -133,8 +134,8 @@ def split_stages(cap: Capture, stage_layers: list[list[str]]):
             env[n.name] = c
         passthrough = [k for k in outs if k in ins]
         fg.output(tuple(env[k] for k in outs if k not in passthrough))
-        for k, n in env.items():
-            src = next(x for x in nodes if x.name == k) if k not in cap.params else None
+        for k, n in env.items():          # placeholders carry the traced value's type too
+            src = by_name.get(k)
             if src is not None and "val" in src.meta:
                 n.meta["val"] = src.meta["val"]
         gm = torch.fx.GraphModule(torch.nn.Module(), fg)
@@ -143,10 +144,11 @@ def split_stages(cap: Capture, stage_layers: list[list[str]]):
 
 
 def _val(cap: Capture, name: str):
-    for n in cap.aten.graph.nodes:
-        if n.name == name:
-            return n.meta["val"]
-    raise KeyError(name)
+    """The traced (meta) value of the ATen graph's node `name`."""
+    index = cap.__dict__.get("_node_index")
+    if index is None:
+        index = cap.__dict__["_node_index"] = {n.name: n for n in cap.aten.graph.nodes}
+    return index[name].meta["val"]
 
 
 # ---- one layer at a time: AOTAutograd once per distinct layer structure -------------------------
