@@ -159,6 +159,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
         cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
     mb_trace = micro_batch or 1
+    log(f"capturing {model_path} (meta device) ...")
     if plan_arg in ("auto", "uniform"):      # the search ranks plans with measured layer times
         ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
     cap = trace_model(model_path, model_args, mb_trace, seq_len)
@@ -187,6 +188,8 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
 
     stage_layers = [list(s.layers) for s in plan.stages]
+    log(f"building forward/backward programs for {len(stage_layers)} stage(s) "
+        f"({time.perf_counter() - t0:.1f} s so far) ...")
     progs = build_stage_programs(cap, stage_layers, name=cap.model_file.name)
 
     (out / "plan.h2plan").write_text(format_plan(plan))

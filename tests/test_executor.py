@@ -76,7 +76,9 @@ def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
     assert [s["backend"] for s in m["stages"]] == kind.split("|")[0].split("+")
     assert m["dp"] == len(kind.split("|"))
     log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(b), "--steps", str(STEPS), "--json-log", str(log))
+    transport = "tcp" if kind == "torch|torch" else "shm"    # both DiComm transports carry a run
+    r = run_cli("h2x", "run", str(b), "--steps", str(STEPS), "--json-log", str(log),
+                "--transport", transport)
     assert r.returncode == 0, r.stderr + r.stdout
     got = _losses(log)
     ref = eager_losses(str(b), STEPS)
