@@ -101,7 +101,7 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str):
         else:
             ls = []
             sched.step(target=targets, losses=ls)
-            losses.append(float(torch.stack(ls).mean()))
+            losses.append(float(torch.stack(ls).detach().mean()))
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)

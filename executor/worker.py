@@ -112,21 +112,18 @@ class Worker(StreamInterpreter):
         self.losses: list[float] = []
 
     # ---- compute -------------------------------------------------------------------------------
-    def _batch(self, mb):
-        tokens, targets = self.data.micro_batch(self.step, self.replica, mb)
-        return tokens, targets
-
     def fwd(self, ins):
         mb = ins.mb
         env = dict(self.params)
         env.update(self.consts)
+        if self.first or self.last:
+            tokens, targets = self.data.micro_batch(self.step, self.replica, mb)
         if self.first:
-            tokens, targets = self._batch(mb)
             env[self.sig["inputs"][0]] = self.be.from_numpy(tokens, "i64")
         else:
             env.update(self.acts_in.pop(mb))
         if self.last:
-            env["targets"] = self.be.from_numpy(self._batch(mb)[1], "i64")
+            env["targets"] = self.be.from_numpy(targets, "i64")
         outs = run_program(self.st.fwd, self.be, env)
         n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
         computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]

@@ -98,7 +98,7 @@ def _sha256(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _executable_check(plan, cluster):
+def _executable_check(plan):
     for i, st in enumerate(plan.stages):
         if st.tp != 1:
             raise H2Error(f"stage {i} uses tp={st.tp}: the executor runs tp=1 stages only "
@@ -173,7 +173,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     for w in validate_plan(plan, costs, cluster):
         log(f"warning: {w}")
     if not dry_run:
-        _executable_check(plan, cluster)
+        _executable_check(plan)
     log(f"plan: {len(plan.stages)} stage(s) x dp {plan.dp}, {plan.num_microbatches} micro-batches "
         f"of {plan.micro_batch} x {plan.seq_len} ({plan.schedule})")
 
