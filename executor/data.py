@@ -10,7 +10,6 @@ others, and a resumed run draws exactly what the uninterrupted run drew.
 """
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from executor.build import BuildDir

@@ -31,7 +31,7 @@ from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
 from executor.data import TokenBatches, load_corpus
 from h2ir.schedule import Instr
-from h2ir.types import DTYPES, TensorType
+from h2ir.types import TensorType
 
 STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done, 2 failed)
 

@@ -18,9 +18,7 @@ import contextlib
 import importlib.util
 import operator
 import io
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

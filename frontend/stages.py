@@ -13,7 +13,6 @@ before the first block) are *pass-through*: the executor forwards them and adds 
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -293,7 +292,6 @@ def _lower_layer(cap: Capture, u: _Unit, t: _Traced, tag: str) -> _LayerProgram:
 def _compose(name: str, s: int, unit_progs: list[_LayerProgram], stage_ins: list, stage_outs: list,
              passthrough: list, in_types: dict, last: bool) -> tuple[Graph, Graph, dict]:
     from h2ir.graph import Layer, Node, Value
-    from h2ir.types import TensorType
 
     # forward: layers in order; boundary values are shared by name
     fwd = Graph(name=f"{name}.stage{s}.fwd", attrs={"stage": s})

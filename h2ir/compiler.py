@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -258,7 +257,6 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
 def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     """Initial weights: the model built for real on the CPU with `seed` (the same init an eager
     run with that seed gets), split per stage."""
-    import numpy as np
     import torch
     from safetensors.numpy import save_file
 

@@ -7,7 +7,7 @@ All per-micro-batch figures are for the micro-batch and sequence length the grap
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """Compiler: stage programs equal eager autograd, build dir layout, no pickle, capability check."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """Frontend: fx capture on the meta device, layer grouping, FLOPs cross-checked with torch."""
 import json
-import sys
 
 import pytest
 import torch

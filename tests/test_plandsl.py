@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

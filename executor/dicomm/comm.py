@@ -70,6 +70,7 @@ def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_por
 
 def _usable_transport(requested: str, fallback: bool) -> tuple[str, str | None]:
     """(transport to use on this rank, why it differs from the request or None)."""
+    first_reason = ""
     for candidate in _FALLBACK_ORDER[requested]:
         ok, why = _local_support(candidate)
         if ok:
