@@ -188,3 +188,28 @@ def test_bad_build_dir_is_a_clean_error(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     r = run_cli("h2x", "run", str(tmp_path))
     assert r.returncode == 2 and "manifest.json:1:2" in r.stderr
+
+
+def test_measured_trace_has_the_predicted_traces_shape(builds, tmp_path):
+    """h2x run --trace and h2c plan --trace: same processes (workers), lanes and event names."""
+    b = builds["torch+torch"]
+    measured, predicted = tmp_path / "m.json", tmp_path / "p.json"
+    r = run_cli("h2x", "run", str(b), "--steps", "2", "--trace", str(measured))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("h2c", "plan", "examples/llama_tiny.py", "--arg", "n_layers=2", "--arg", "max_seq=64",
+                "--plan", str(b / "plan.h2plan"), "--trace", str(predicted), "--no-speedup")
+    assert r.returncode == 0, r.stderr
+
+    def shape(path):
+        ev = json.loads(path.read_text())["traceEvents"]
+        xs = [e for e in ev if e["ph"] == "X"]
+        lanes = {(e["pid"], e["args"]["name"]) for e in ev if e.get("name") == "thread_name"}
+        kinds = {e["name"].split()[0].rstrip("0123456789") for e in xs}
+        return {e["pid"] for e in xs}, lanes, kinds
+
+    m_pids, m_lanes, m_kinds = shape(measured)
+    p_pids, p_lanes, p_kinds = shape(predicted)
+    assert m_pids == p_pids == {0, 1}
+    assert m_lanes == p_lanes
+    assert {"F", "B", "send_act", "recv_grad", "opt_step"} <= m_kinds
+    assert {"F", "B", "opt_step"} <= p_kinds
