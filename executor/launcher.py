@@ -128,6 +128,9 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 31))
     procs, errs = [], []
+    kinds = ", ".join(f"w{w['id']}: stage {w['stage']} {w['backend']}" for w in build.workers)
+    out(f"starting {W} worker(s) [{kinds}] over {transport}; {m['num_microbatches']} micro-batches "
+        f"of {m['micro_batch']} x {m['seq_len']} per step ({m['schedule']})")
     for w in range(W):
         cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path), "--worker", str(w),
                "--store-port", str(store.port), "--steps", str(steps), "--start", str(start),
@@ -149,6 +152,7 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
     step_reports: dict[int, dict] = {}
     ckpt_reports: dict[int, set] = {}
     done: set = set()
+    ready = 0
     last_step_t = None
     tokens_per_step = m["global_batch"] * m["seq_len"]
     log_f = open(json_log, "w") if json_log else None
@@ -162,6 +166,10 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
                 kind = ev["event"]
                 if kind == "ready":
                     result.transport = ev.get("transport", transport)
+                    ready += 1
+                    if ready == W:
+                        out(f"all workers connected in {time.perf_counter() - t0:.1f} s "
+                            f"(transport {result.transport})")
                 elif kind == "step":
                     rep = step_reports.setdefault(ev["step"], {"workers": set(), "losses": []})
                     rep["workers"].add(w)
