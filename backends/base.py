@@ -148,4 +148,10 @@ STACKS = {"torch": ("torch", "cpu"), "numpy": ("numpy", None), "cuda": ("torch",
 def resolve_stack(stack: str) -> tuple[str, str | None] | None:
     """(op library, device) for a chip's software stack, or None if no op library here."""
     return STACKS.get(stack)
+
+
+def measured_backends(cluster) -> list[str]:
+    """Op libraries of the cluster's `measured` chips (this machine's): what calibration covers."""
+    return sorted({STACKS[c.backend][0] for c in cluster.chip_types.values()
+                   if c.measured and c.backend in STACKS})
 KernelTable = dict[str, Callable]

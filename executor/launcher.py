@@ -71,6 +71,7 @@ def _kill_all(procs):
 
 def predicted_step_time(build: BuildDir):
     """The planner's prediction for this build (resource model + local calibration)."""
+    from backends.base import measured_backends
     from h2ir.calibration import ensure_calibration
     from h2ir.clusterfile import load_cluster
     from h2ir.plandsl import load_plan
@@ -78,8 +79,8 @@ def predicted_step_time(build: BuildDir):
     plan = load_plan(str(build.path / "plan.h2plan"))
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
-    backends = [cluster.chip(s.chip).backend for s in plan.stages]
-    cal = ensure_calibration(backends) if any(cluster.chip(s.chip).measured for s in plan.stages) else None
+    backends = measured_backends(cluster)
+    cal = ensure_calibration(backends) if backends else None
     return simulate(build.model_costs(), plan, cluster, cal)
 
 

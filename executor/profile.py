@@ -83,12 +83,6 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
     return out
 
 
-def _parse(s: str):
-    dt, shape = s.split("[")
-    shape = shape.rstrip("]")
-    return dt, tuple(int(x) for x in shape.split(",")) if shape else ()
-
-
 def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, seq_len: int,
                          backends) -> dict:
     """{backend: layer times}, measured with every core busy as in a real run.

@@ -55,12 +55,6 @@ class StreamInterpreter:
         raise NotImplementedError("all_to_all (MoE expert parallelism) is not executed yet")
 
 
-def _ttype(s: str) -> TensorType:
-    dt, shape = s.split("[")
-    shape = shape.rstrip("]")
-    return TensorType(dt, tuple(int(x) for x in shape.split(",")) if shape else ())
-
-
 class Worker(StreamInterpreter):
     def __init__(self, build: BuildDir, wid: int, comm, data: TokenBatches | None, opt: dict,
                  emit, status, device: str = "cpu"):
@@ -87,8 +81,8 @@ class Worker(StreamInterpreter):
         self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
         self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
         self.opt_steps = 0
-        self.in_types = {k: _ttype(v) for k, v in self.sig["input_types"].items()}
-        self.out_types = {k: _ttype(v) for k, v in self.sig["output_types"].items()}
+        self.in_types = {k: TensorType.parse(v) for k, v in self.sig["input_types"].items()}
+        self.out_types = {k: TensorType.parse(v) for k, v in self.sig["output_types"].items()}
         # float boundary values get a gradient back (zeros when nothing flows into them)
         self.grad_inputs = [k for k in self.sig["inputs"]
                             if self.in_types[k].dtype in ("f32", "f64", "f16", "bf16")]

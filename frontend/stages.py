@@ -173,7 +173,6 @@ class _Traced:
     n_out: int
     tangent_pos: list   # positions (among computed outputs) whose gradient the backward takes
     grad_pos: list      # positions (among primals) whose gradient the backward returns
-    bw_saved_pos: list  # for each backward placeholder that is a saved value: fw output position
 
 
 def _signature(u: _Unit) -> tuple:
@@ -236,14 +235,11 @@ def _aot(cap: Capture, u: _Unit, loss_fn, fake_mode) -> _Traced:
             torch.autograd.backward(need, [torch.ones_like(r) for r in need])
     tangent_pos = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor) and r.requires_grad]
     if "bw" not in captured:       # nothing to differentiate (e.g. a layer of buffers only)
-        return _Traced(captured["fw"], None, len(results), [], [], [])
+        return _Traced(captured["fw"], None, len(results), [], [])
     bw = captured["bw"]
-    bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    n_saved = len([n for n in bw_ph if not n.name.startswith("tangents")])
     bw_out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
     grad_pos = [i for i, o in enumerate(bw_out) if o is not None]
-    return _Traced(captured["fw"], bw, len(results), tangent_pos, grad_pos,
-                   list(range(len(results), len(results) + n_saved)))
+    return _Traced(captured["fw"], bw, len(results), tangent_pos, grad_pos)
 
 
 @dataclass

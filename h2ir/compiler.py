@@ -41,17 +41,16 @@ class BuildResult:
     seconds: float
 
 
-def resolve_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
-                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
-                 executable: bool = True):
-    """A Plan from 'auto' (HeteroAuto), 'uniform' or a .h2plan file. `executable` keeps the search
-    to what h2x runs today (tp=1, no expert parallelism)."""
+def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
+                seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
+                executable: bool = True):
+    """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
+    runs today (tp=1, no expert parallelism)."""
     from h2ir import search as heteroauto
     from h2ir.calibration import ensure_calibration
-    from backends.base import resolve_stack
+    from backends.base import measured_backends
 
-    measured = [resolve_stack(c.backend)[0] for c in cluster.chip_types.values()
-                if c.measured and resolve_stack(c.backend)]
+    measured = measured_backends(cluster)
     cal = ensure_calibration(measured) if measured else None
     max_tp = 1 if executable else None
     if plan_arg == "auto":
@@ -63,9 +62,7 @@ def resolve_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batc
                                        micro_batch=micro_batch, schedule=schedule, calibration=cal,
                                        max_tp=max_tp).plan
     else:
-        from h2ir.plandsl import load_plan
-        plan = load_plan(plan_arg)
-        return plan
+        raise ValueError(f"search_plan makes 'auto' or 'uniform' plans, not {plan_arg!r}")
     plan.model = model_path or plan.model
     plan.cluster = cluster.name
     return plan
@@ -75,10 +72,9 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
                        log=print) -> None:
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
     this model; measure them once per model and backend (executor/profile.py) if not stored."""
-    from backends.base import resolve_stack
+    from backends.base import measured_backends
     from h2ir.calibration import load_calibration
-    backends = sorted({resolve_stack(c.backend)[0] for c in cluster.chip_types.values()
-                       if c.measured and resolve_stack(c.backend)})
+    backends = measured_backends(cluster)
     if not backends:
         return
     cal = load_calibration()
@@ -152,6 +148,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     t0 = time.perf_counter()
     model_args = model_args or {}
     cluster = load_cluster(cluster_arg)
+    fplan = None
     if plan_arg not in ("auto", "uniform"):
         from h2ir.plandsl import load_plan
         fplan = load_plan(plan_arg)
@@ -159,13 +156,13 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
     mb_trace = micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
-    if plan_arg in ("auto", "uniform"):      # the search ranks plans with measured layer times
+    if fplan is None:      # the search ranks plans with measured layer times
         ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
     cap = trace_model(model_path, model_args, mb_trace, seq_len)
     costs = cap.graph.layer_costs()
-    plan = resolve_plan(plan_arg, costs, cluster, global_batch=global_batch, micro_batch=micro_batch,
-                        seq_len=seq_len, schedule=schedule, search=search, model_path=model_path,
-                        executable=not dry_run)
+    plan = fplan or search_plan(plan_arg, costs, cluster, global_batch=global_batch,
+                                micro_batch=micro_batch, seq_len=seq_len, schedule=schedule,
+                                search=search, model_path=model_path, executable=not dry_run)
     if plan.micro_batch != mb_trace:      # the search chose another micro-batch: trace at it
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()

@@ -33,6 +33,13 @@ class TensorType:
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
 
+    @classmethod
+    def parse(cls, text: str) -> "TensorType":
+        """Inverse of str(): 'f32[2,128]' -> TensorType('f32', (2, 128))."""
+        dtype, _, rest = text.partition("[")
+        dims = rest.rstrip("]")
+        return cls(dtype, tuple(int(d) for d in dims.split(",")) if dims else ())
+
 
 def broadcast_shapes(a: tuple, b: tuple) -> tuple:
     out = []
