@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,7 @@ demo: $(STAMP)
 	bash examples/demo.sh
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -x --durations=10
 
 test-slow: $(STAMP)

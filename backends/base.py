@@ -125,33 +125,4 @@ def compile_program(graph: Graph, backend):
     return fn
 
 
-def get_backend(name: str, **options):
-    """The backend registered under `name` ('torch', 'numpy')."""
-    if name == "torch":
-        from backends.torch.runtime import TorchBackend
-        return TorchBackend(**options)
-    if name == "numpy":
-        from backends.numpy.runtime import NumpyBackend
-        return NumpyBackend(**options)
-    raise KeyError(name)
-
-
-BACKENDS = ("torch", "numpy")
-
-# A chip's `backend` in a cluster file names its software stack; this is the op library and
-# device that run it here. Stacks without an op library in this repository (Ascend CANN, Habana)
-# can be planned and compiled (--dry-run) but not run.
-STACKS = {"torch": ("torch", "cpu"), "numpy": ("numpy", None), "cuda": ("torch", "cuda"),
-          "rocm": ("torch", "cuda")}
-
-
-def resolve_stack(stack: str) -> tuple[str, str | None] | None:
-    """(op library, device) for a chip's software stack, or None if no op library here."""
-    return STACKS.get(stack)
-
-
-def measured_backends(cluster) -> list[str]:
-    """Op libraries of the cluster's `measured` chips (this machine's): what calibration covers."""
-    return sorted({STACKS[c.backend][0] for c in cluster.chip_types.values()
-                   if c.measured and c.backend in STACKS})
 KernelTable = dict[str, Callable]

@@ -511,7 +511,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="machine-readable report")
     a = ap.parse_args(argv)
 
-    from backends.base import get_backend
+    from backends.registry import get_backend
     if a.device is not None and a.backend != "torch":
         raise H2Error(f"--device applies to the torch backend only (got --backend {a.backend})")
     if a.op:
@@ -529,6 +529,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from h2ir.cli import run_subcommand
+    from h2ir.errors import run_subcommand
     sys.exit(run_subcommand({"check-ops": "backends.check_ops:main"}, "h2c",
                             ["check-ops"] + sys.argv[1:], __doc__))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 def measure(plan: str, steps: int) -> dict:
     from executor.launcher import predicted_step_time, run
     from executor.build import BuildDir
-    from h2ir.compiler import compile_model
+    from frontend.compiler import compile_model
     out = tempfile.mkdtemp(prefix=f"h2-{plan}-") + "/B"
     res = compile_model(str(ROOT / "examples/llama_tiny.py"), cluster_arg="local-mixed",
                         plan_arg=plan, out_dir=out, log=lambda *a: None)

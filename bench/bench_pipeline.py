@@ -123,7 +123,7 @@ def run_pipelining(steps: int) -> dict:
 
 def run_h2x(steps: int) -> dict:
     from executor.launcher import run
-    from h2ir.compiler import compile_model
+    from frontend.compiler import compile_model
     build = tempfile.mkdtemp(prefix="h2-bench-")
     compile_model(str(ROOT / "examples/llama_tiny.py"), plan_arg=str(PLAN), out_dir=build,
                   log=lambda *a: None)
@@ -133,7 +133,7 @@ def run_h2x(steps: int) -> dict:
 
 def single_worker_step(steps: int) -> float:
     from executor.reference import eager_losses
-    from h2ir.compiler import compile_model
+    from frontend.compiler import compile_model
     build = tempfile.mkdtemp(prefix="h2-bench-ref-")
     compile_model(str(ROOT / "examples/llama_tiny.py"), plan_arg=str(PLAN), out_dir=build,
                   log=lambda *a: None)

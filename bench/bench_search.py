@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/bench_search.py [--traced] [--clusters h2-1024,h2-768] [--json]
 
-For each cluster: wall time of `h2ir.search.search` for the 100B model (the part of
+For each cluster: wall time of `h2ir.planner.search.search` for the 100B model (the part of
 `h2c plan examples/llama_100b.py --cluster C --plan auto` after tracing), the predicted step of
 the chosen plan and of the uniform baseline, and HeteroSpeedupRatio. The anchor, measured in the
-same run, is one simulation of the chosen plan's instruction streams (`h2ir.simulate.simulate`),
+same run, is one simulation of the chosen plan's instruction streams (`h2ir.planner.simulate.simulate`),
 the unit of work the final ranking repeats; the search is reported as a multiple of it and
 against the 10 s target.
 
@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from h2ir.clusterfile import load_cluster  # noqa: E402
-from h2ir.resource import analytic_llama_costs  # noqa: E402
-from h2ir.search import hetero_speedup, search  # noqa: E402
-from h2ir.simulate import simulate  # noqa: E402
+from h2ir.clusters.clusterfile import load_cluster  # noqa: E402
+from h2ir.planner.resource import analytic_llama_costs  # noqa: E402
+from h2ir.planner.search import hetero_speedup, search  # noqa: E402
+from h2ir.planner.simulate import simulate  # noqa: E402
 
 TARGET_S = 10.0
 

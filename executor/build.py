@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2ir.errors import H2Error
-from h2ir.schedule import parse_stream
+from h2ir.schedule.streams import parse_stream
 from h2ir.text import load_graph
 
 SUPPORTED_FORMATS = ("h2-build/1",)

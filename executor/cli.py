@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from h2ir.cli import run_subcommand
+from h2ir.errors import run_subcommand
 
 SUBCOMMANDS = {
     "run": "executor.cli:run_main",

@@ -71,11 +71,11 @@ def _kill_all(procs):
 
 def predicted_step_time(build: BuildDir):
     """The planner's prediction for this build (resource model + local calibration)."""
-    from backends.base import measured_backends
-    from h2ir.calibration import ensure_calibration
-    from h2ir.clusterfile import load_cluster
-    from h2ir.plandsl import load_plan
-    from h2ir.simulate import simulate
+    from backends.registry import measured_backends
+    from backends.calibrate import ensure_calibration
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.plans.dsl import load_plan
+    from h2ir.planner.simulate import simulate
     plan = load_plan(str(build.path / "plan.h2plan"))
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
@@ -284,7 +284,7 @@ def _failure(build, w, status, run_dir, what: str) -> str:
 
 
 def _write_trace(build, run_dir: Path, path: str):
-    from h2ir.simulate import TraceEvent, chrome_trace
+    from h2ir.planner.simulate import TraceEvent, chrome_trace
     events = []
     names = {}
     for w in range(len(build.workers)):

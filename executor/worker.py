@@ -2,7 +2,7 @@
 
 `StreamInterpreter` runs a stream one instruction at a time with one method per instruction kind
 (as torch.fx.Interpreter has one per opcode); `Worker` is the real executor. The simulator in
-h2ir/simulate.py times the same streams with the cost model.
+h2ir/planner/simulate.py times the same streams with the cost model.
 
 A worker talks to the launcher through JSON lines on stdout (events) and a status slot in a
 shared memory-mapped file (heartbeat, step, instruction index), which is how h2x names the last
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-# One compute thread per worker: set before numpy/torch load their thread pools.
-for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_v, "1")
+from backends.threads import limit_torch_threads, pin_to_core, single_thread_env
+
+single_thread_env()     # one compute thread per worker: before numpy/torch load their pools
 
 import argparse
 import gc
@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.base import get_backend, run_program
+from backends.base import run_program
+
+from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
 from executor.data import TokenBatches, load_corpus
-from h2ir.schedule import Instr
+from h2ir.schedule.streams import Instr
 from h2ir.types import TensorType
 
 STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done, 2 failed)
@@ -251,19 +253,6 @@ def _host(dtype: str):
     return {"bf16": np.uint16, "f32": np.float32, "f64": np.float64, "f16": np.float16}[dtype]
 
 
-def _pin_to_core(wid: int) -> None:
-    """One worker per core when there are enough cores: no migrations, warm private caches."""
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return
-    if len(cores) > 1:
-        try:
-            os.sched_setaffinity(0, {cores[wid % len(cores)]})
-        except OSError:
-            pass
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="h2x-worker")
     ap.add_argument("--build", required=True)
@@ -292,7 +281,7 @@ def main(argv=None) -> int:
 
     build = BuildDir(a.build)
     W = len(build.workers)
-    _pin_to_core(a.worker)
+    pin_to_core(a.worker)
     status_all = np.memmap(a.status, dtype=np.float64, mode="r+", shape=(W, STATUS_FIELDS))
     status = status_all[a.worker]
     parent = os.getppid()
@@ -305,11 +294,7 @@ def main(argv=None) -> int:
             time.sleep(0.5)
 
     threading.Thread(target=heartbeat, daemon=True).start()
-    try:
-        import torch
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+    limit_torch_threads()
     m = build.manifest
     w = build.workers[a.worker]
     needs_data = w["stage"] in (0, build.num_stages - 1)

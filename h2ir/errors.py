@@ -5,6 +5,10 @@ it is never shown as a traceback.
 """
 from __future__ import annotations
 
+import os
+import sys
+from importlib import import_module
+
 
 def read_user_file(path, what: str) -> str:
     """Text of a user's input file (a BOM is tolerated); unreadable or non-UTF-8 is an H2Error."""
@@ -42,3 +46,30 @@ class H2Error(Exception):
         if self.hint:
             text += f"\n  {self.hint}"
         return text
+
+
+def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
+    """Dispatch `prog CMD ...` to table[CMD]; H2Error becomes a clean message and exit code 2."""
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
+        print(doc)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"{prog}: error: unknown command {argv[0]!r} (expected one of: "
+                  f"{', '.join(table)})", file=sys.stderr)
+            return 2
+        return 0
+    mod, fn = table[argv[0]].split(":")
+    try:
+        return int(getattr(import_module(mod), fn)(argv[1:]) or 0)
+    except H2Error as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:      # a bug of ours, not the user's input: say so, briefly
+        if os.environ.get("H2_DEBUG"):
+            raise
+        print(f"{prog} {argv[0]}: internal error: {type(e).__name__}: {e}\n"
+              f"  this is a bug in h2, not in your input; rerun with H2_DEBUG=1 for the traceback "
+              f"and report it", file=sys.stderr)
+        return 1

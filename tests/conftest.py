@@ -17,7 +17,7 @@ def run_cli(*args, timeout=300, **kw):
     """Run an h2 console script (h2c/h2x) as a user would; returns CompletedProcess."""
     exe = BIN / args[0]
     cmd = [str(exe), *args[1:]] if exe.exists() else [sys.executable, "-m",
-                                                      {"h2c": "h2ir.cli", "h2x": "executor.cli"}[args[0]],
+                                                      {"h2c": "frontend.cli", "h2x": "executor.cli"}[args[0]],
                                                       *args[1:]]
     return subprocess.run(cmd, cwd=kw.pop("cwd", ROOT), capture_output=True, text=True,
                           timeout=timeout, **kw)

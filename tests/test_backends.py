@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.base import get_backend, missing_kernels, run_program
+from backends.base import missing_kernels, run_program
+
+from backends.registry import get_backend
 from backends.numpy.runtime import NumpyBackend
 from backends.torch.runtime import TorchBackend
 from conftest import ROOT
@@ -243,7 +245,7 @@ def test_numpy_backend_runs_without_torch():
 import sys
 sys.modules['torch'] = None              # any `import torch` now raises ImportError
 import numpy as np
-from backends.base import get_backend
+from backends.registry import get_backend
 be = get_backend('numpy')
 import backends.numpy.ops, backends.numpy.runtime
 q = np.ones((1, 1, 4, 8), np.float32)

@@ -106,8 +106,8 @@ def test_main_json_report(capsys):
 
 
 def test_main_table_and_exit_code_1_on_a_failure(monkeypatch, capsys):
-    import backends.base
-    monkeypatch.setattr(backends.base, "get_backend",
+    import backends.registry
+    monkeypatch.setattr(backends.registry, "get_backend",
                         lambda name, **kw: _Broken(neg=lambda x: x))
     assert main(["--backend", "numpy", "--op", "neg", "--op", "abs"]) == 1
     text = capsys.readouterr().out
@@ -123,7 +123,7 @@ def test_unsupported_dtype_is_a_user_error():
 
 
 def test_h2c_check_ops_exit_codes(capsys):
-    from h2ir.cli import main as h2c
+    from frontend.cli import main as h2c
     assert h2c(["check-ops", "--backend", "numpy", "--dtype", "bf16"]) == 2
     assert "error: backend numpy does not compute in bf16" in capsys.readouterr().err
     assert h2c(["check-ops", "--backend", "torch", "--op", "silu_bwd"]) == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from h2ir.clusterfile import (BUILTIN_DIR, CATALOG_PATH, builtin_clusters, catalog_chip,
+from h2ir.clusters.clusterfile import (BUILTIN_DIR, CATALOG_PATH, builtin_clusters, catalog_chip,
                               catalog_names, load_cluster, parse_cluster)
 from h2ir.errors import H2Error
 

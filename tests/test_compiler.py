@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from backends.base import get_backend, run_program
+from backends.base import run_program
+from backends.registry import get_backend
 from frontend.capture import load_model_file, trace_model
 from frontend.stages import build_stage_programs
 from h2ir.errors import H2Error
@@ -112,7 +113,7 @@ def test_mixed_build_layout(mixed_build):
         for f in ("fwd.h2ir", "bwd.h2ir", "json"):
             assert (mixed_build / f"stages/stage{s}.{f}").is_file()
         assert (mixed_build / f"weights/stage{s}.safetensors").is_file()
-    from h2ir.schedule import parse_stream
+    from h2ir.schedule.streams import parse_stream
     for w in m["workers"]:
         instrs = parse_stream((mixed_build / w["stream"]).read_text())
         assert instrs[-1].op == "opt_step"
@@ -143,7 +144,7 @@ def test_missing_kernel_is_a_compile_error(monkeypatch, tmp_path):
         self.ops = {k: v for k, v in self.ops.items() if k != "attention_bwd"}
 
     monkeypatch.setattr(runtime.NumpyBackend, "__init__", no_attention)
-    from h2ir.compiler import compile_model
+    from frontend.compiler import compile_model
     with pytest.raises(H2Error) as e:
         compile_model(str(ROOT / "examples/llama_tiny.py"), model_args={"n_layers": 2},
                       cluster_arg="local-mixed", plan_arg="uniform", global_batch=2, micro_batch=1,

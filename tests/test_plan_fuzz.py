@@ -14,11 +14,11 @@ import types
 
 import pytest
 
-from h2ir.clusterfile import parse_cluster
+from h2ir.clusters.clusterfile import parse_cluster
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
-from h2ir.plandsl import format_plan, parse_plan
-from h2ir.validate import validate_plan
+from h2ir.plans.dsl import format_plan, parse_plan
+from h2ir.planner.validate import validate_plan
 
 CASES = 4000
 FILE = "fuzz.h2plan"
@@ -151,7 +151,7 @@ def mutate(text: str, rng: random.Random) -> str:
 
 
 def fake_stage_memory(costs, plan, cluster, i):
-    """h2ir.resource.stage_memory's contract, with simple numbers (as in test_plandsl.py)."""
+    """h2ir.planner.resource.stage_memory's contract, with simple numbers (as in test_plandsl.py)."""
     s = plan.stages[i]
     by_name = {l.name: l for l in costs.layers}
     params = sum(by_name[n].params for n in s.layers)
@@ -166,9 +166,9 @@ def fake_stage_memory(costs, plan, cluster, i):
 
 @pytest.fixture
 def fake_resource(monkeypatch):
-    module = types.ModuleType("h2ir.resource")
+    module = types.ModuleType("h2ir.planner.resource")
     module.stage_memory = fake_stage_memory
-    monkeypatch.setitem(sys.modules, "h2ir.resource", module)
+    monkeypatch.setitem(sys.modules, "h2ir.planner.resource", module)
 
 
 def check_error(e: H2Error, text: str):

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from h2ir.clusterfile import load_cluster, parse_cluster
+from h2ir.clusters.clusterfile import load_cluster, parse_cluster
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
-from h2ir.plan import A2A_ALGOS, PLACEMENTS, MoEPlan, Plan, StagePlan
-from h2ir.plandsl import format_layers, format_plan, load_plan, parse_plan
-from h2ir.validate import validate_plan
+from h2ir.plans.plan import A2A_ALGOS, PLACEMENTS, MoEPlan, Plan, StagePlan
+from h2ir.plans.dsl import format_layers, format_plan, load_plan, parse_plan
+from h2ir.planner.validate import validate_plan
 
 # ----------------------------------------------------------------------------------------------
 # fixtures: a small synthetic model, a small cluster, and a resource model with known numbers
@@ -68,7 +68,7 @@ nic_gbps = 10
 
 
 def fake_stage_memory(costs, plan, cluster, i):
-    """The contract of h2ir.resource.stage_memory with simple, known numbers: 4 B weights,
+    """The contract of h2ir.planner.resource.stage_memory with simple, known numbers: 4 B weights,
     4 B grads, 8 B optimizer per parameter over tp; activations of the S - i in-flight
     micro-batches (1F1B), only the boundary outputs under recompute=full."""
     s = plan.stages[i]
@@ -86,9 +86,8 @@ def fake_stage_memory(costs, plan, cluster, i):
 @pytest.fixture
 def fake_resource(monkeypatch):
     """Validation tests use known memory numbers, not the resource model's (tested elsewhere)."""
-    module = types.ModuleType("h2ir.resource")
-    module.stage_memory = fake_stage_memory
-    monkeypatch.setitem(sys.modules, "h2ir.resource", module)
+    import h2ir.planner.validate
+    monkeypatch.setattr(h2ir.planner.validate, "stage_memory", fake_stage_memory)
 
 
 @pytest.fixture
@@ -499,7 +498,7 @@ def test_warnings_for_tp_across_nodes(fake_resource):
 def test_real_resource_model_accepts_100b_on_h2_1024():
     """End to end with the resource model the planner uses (not the fake): the 100B model at
     tp=8 inside a node, dp=4, fits every stage of the 1,024-chip cluster."""
-    pytest.importorskip("h2ir.resource")
+    pytest.importorskip("h2ir.planner.resource")
     # H2's 100B (examples/llama_100b.py): hidden 8192, 64 heads, 96 layers, SwiGLU 36864;
     # per block 4*8192^2 + 3*8192*36864 = 1,174,405,120 params (+ norms).
     block = 1_174_421_504

@@ -3,13 +3,14 @@ import json
 
 import pytest
 
-from h2ir.calibration import (Calibration, ensure_calibration, load_calibration,
+from backends.calibrate import ensure_calibration
+from h2ir.planner.calibration import (Calibration, load_calibration,
                               record_layer_times, save_calibration)
-from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import MoEInfo
 from h2ir.errors import H2Error
-from h2ir.plan import MoEPlan, Plan, StagePlan
-from h2ir.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
+from h2ir.plans.plan import MoEPlan, Plan, StagePlan
+from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
                            analytic_llama_costs, hierarchical_allreduce_time, p2p_time,
                            piper_moe_memory, ring_allreduce_time, stage_memory,
                            state_bytes_per_param)
@@ -257,5 +258,5 @@ def test_missing_backend_is_measured_quickly_and_cached(tmp_path, monkeypatch):
 
 def test_unknown_backend_cannot_be_measured_here(tmp_path, monkeypatch):
     monkeypatch.setenv("H2_CALIBRATION", str(tmp_path / "c.json"))
-    with pytest.raises(H2Error, match="cannot measure backend"):
+    with pytest.raises(H2Error, match="unknown backend"):
         ensure_calibration(["cann"])

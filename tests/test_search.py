@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import MoEInfo
 from h2ir.errors import H2Error
-from h2ir.resource import ResourceModel, analytic_llama_costs, stage_memory
-from h2ir.search import (REL_TOL, Config, StageLine, _configs, chip_counts, hetero_speedup,
+from h2ir.planner.resource import ResourceModel, analytic_llama_costs, stage_memory
+from h2ir.planner.search import (REL_TOL, Config, StageLine, _configs, chip_counts, hetero_speedup,
                          memory_orders, search, uniform_plan)
 
 GiB = 2 ** 30
@@ -35,9 +35,9 @@ def check_plan_is_sound(plan, costs, cluster):
 
 
 def test_100b_on_h2_1024_fits_and_assigns_every_layer_once():
-    from h2ir.clusterfile import load_cluster
-    from h2ir.plandsl import format_plan, parse_plan
-    from h2ir.validate import validate_plan
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.plans.dsl import format_plan, parse_plan
+    from h2ir.planner.validate import validate_plan
     cluster = load_cluster("h2-1024")
     costs = costs_100b()
     r = search(costs, cluster, 1024)
@@ -229,7 +229,7 @@ def plan_inputs(tmp_path):
 
 
 def test_cli_json_report_and_plan_file_round_trip(plan_inputs, tmp_path, capsys):
-    from h2ir.plancli import main
+    from frontend.plancli import main
     cj, ct = plan_inputs
     out = tmp_path / "p.h2plan"
     trace = tmp_path / "t.json"
@@ -252,7 +252,7 @@ def test_cli_json_report_and_plan_file_round_trip(plan_inputs, tmp_path, capsys)
 
 
 def test_cli_human_report_and_uniform(plan_inputs, capsys):
-    from h2ir.plancli import main
+    from frontend.plancli import main
     cj, ct = plan_inputs
     assert main([cj, "--cluster", ct, "--global-batch", "16", "--plan", "uniform", "--no-speedup"]) == 0
     text = capsys.readouterr().out
@@ -260,7 +260,7 @@ def test_cli_human_report_and_uniform(plan_inputs, capsys):
 
 
 def test_cli_errors_exit_2(plan_inputs, tmp_path, capsys):
-    from h2ir.plancli import main
+    from frontend.plancli import main
     cj, ct = plan_inputs
     assert main([cj, "--cluster", "no-such-cluster"]) == 2
     assert "error" in capsys.readouterr().err

@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.errors import H2Error
-from h2ir.plan import Plan, StagePlan
-from h2ir.resource import ResourceModel, analytic_llama_costs, stage_memory
-from h2ir.schedule import Instr, build_streams
-from h2ir.simulate import StreamSimulator, TraceEvent, chrome_trace, simulate
+from h2ir.plans.plan import Plan, StagePlan
+from h2ir.planner.resource import ResourceModel, analytic_llama_costs, stage_memory
+from h2ir.schedule.streams import Instr, build_streams
+from h2ir.planner.simulate import StreamSimulator, TraceEvent, chrome_trace, simulate
 
 GiB = 2 ** 30
 

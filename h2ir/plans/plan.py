@@ -1,7 +1,7 @@
 """The plan: which chips run which layers, with what parallelism.
 
-This module holds only the data. `h2ir/plandsl.py` prints and parses the `.h2plan` text form,
-`h2ir/validate.py` checks a plan against a model and a cluster, `h2ir/search.py` (HeteroAuto)
+This module holds only the data. `h2ir/plans/dsl.py` prints and parses the `.h2plan` text form,
+`h2ir/planner/validate.py` checks a plan against a model and a cluster, `h2ir/planner/search.py` (HeteroAuto)
 produces plans.
 
 Conventions
@@ -57,7 +57,7 @@ class Plan:
     moe: MoEPlan | None = None
     source: str | None = field(default=None, compare=False)   # file the plan came from
     # where each statement/option was written: 'batch', 'dp', 'stage.2', 'stage.2.tp', 'moe.ep', ...
-    # -> (line, column); filled by h2ir/plandsl.py so validation errors can point at the text
+    # -> (line, column); filled by h2ir/plans/dsl.py so validation errors can point at the text
     locations: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

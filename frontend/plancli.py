@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from .costs import ModelCosts
-from .errors import H2Error
+from backends.calibrate import ensure_calibration
+from backends.registry import measured_backends
+from h2ir.costs import ModelCosts
+from h2ir.errors import H2Error
 
 DEFAULT_CLUSTER = "local"
 # build_model keyword arguments that name the model's maximum sequence length
@@ -119,18 +121,20 @@ def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) ->
 
 
 def plan_report(a) -> dict:
-    from .clusterfile import load_cluster
-    from .plan import Plan
-    from .search import Candidate, hetero_speedup, search, uniform_plan
-    from .simulate import simulate, write_chrome_trace
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.plans.plan import Plan
+    from h2ir.planner.search import Candidate, hetero_speedup, search, uniform_plan
+    from h2ir.planner.simulate import simulate, write_chrome_trace
 
     args = _model_args(a.arg)
     given: Plan | None = None
     if a.plan not in ("auto", "uniform"):
-        from .plandsl import load_plan
+        from h2ir.plans.dsl import load_plan
         given = load_plan(a.plan)
     a.cluster = a.cluster or (given.cluster if given else DEFAULT_CLUSTER)
     cluster = load_cluster(a.cluster)
+    measured = measured_backends(cluster)
+    cal = ensure_calibration(measured) if measured else None
     seq_len = a.seq_len or (given.seq_len if given else None)
     mb_trace = given.micro_batch if given else (a.micro_batch or 1)
     costs = load_costs(a.model, args, mb_trace, seq_len)
@@ -141,17 +145,17 @@ def plan_report(a) -> dict:
     t0 = time.perf_counter()
     result = None
     if given is not None:
-        from .validate import validate_plan
+        from h2ir.planner.validate import validate_plan
         plan = given
         warnings = validate_plan(plan, costs, cluster)
-        cand = Candidate(plan, float("nan"), "file", sim=simulate(costs, plan, cluster))
+        cand = Candidate(plan, float("nan"), "file", sim=simulate(costs, plan, cluster, cal))
         uniform = None
     elif a.plan == "uniform":
-        cand = uniform_plan(costs, cluster, gb, seq_len, a.micro_batch, a.schedule)
+        cand = uniform_plan(costs, cluster, gb, seq_len, a.micro_batch, a.schedule, calibration=cal)
         uniform, warnings = cand, []
     else:
         result = search(costs, cluster, gb, seq_len=seq_len, micro_batch=a.micro_batch,
-                        schedule=a.schedule, method=a.search)
+                        schedule=a.schedule, method=a.search, calibration=cal)
         cand, uniform, warnings = result.best, result.uniform, []
     search_time = time.perf_counter() - t0
     plan, sim = cand.plan, cand.sim
@@ -161,9 +165,9 @@ def plan_report(a) -> dict:
 
     speedup = None
     if not a.no_speedup and len([c for c in cluster.chip_types if cluster.count(c)]) > 1:
-        speedup = hetero_speedup(costs, cluster, cand, schedule=plan.schedule)
+        speedup = hetero_speedup(costs, cluster, cand, schedule=plan.schedule, calibration=cal)
 
-    from .plandsl import format_plan
+    from h2ir.plans.dsl import format_plan
     text = format_plan(plan)
     header = (f"# {plan.model} on {cluster.name}: predicted step {sim.step_time_s:.4g} s, "
               f"{sim.tokens_per_s:,.0f} tokens/s (h2c plan --plan {a.plan})\n")
@@ -173,8 +177,8 @@ def plan_report(a) -> dict:
         write_chrome_trace(a.trace, sim.events, sim.worker_names,
                            {"kind": "predicted", "plan": text, "step_time_s": sim.step_time_s})
 
-    from .resource import ResourceModel
-    rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len)
+    from h2ir.planner.resource import ResourceModel
+    rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, cal)
     rates = {c: rm.rates(c) for c in {s.chip for s in plan.stages}}
     stages = []
     for j, s in enumerate(plan.stages):
@@ -228,7 +232,7 @@ def _secs(t: float) -> str:
 
 
 def format_report(r: dict) -> str:
-    from .plandsl import format_layers
+    from h2ir.plans.dsl import format_layers
     chips = ", ".join(f"{c} {n}" for c, n in r["chips"].items())
     out = [f"{r['model']} on {r['cluster']} ({sum(r['chips'].values())} chips: {chips}; {r['dtype']})"]
     how = {"auto": f"HeteroAuto ({r['search']['method'] if r['search'] else ''})",

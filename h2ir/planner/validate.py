@@ -8,14 +8,15 @@ Checks, in order: known words and positive numbers (for plans not built by the p
 stage's chip type, chips == dp * tp, TP divides the attention heads, chips per type against the
 cluster, batch divisibility, layer assignment (unknown / twice / not contiguous / out of model
 order / missing), the MoE section, and finally memory per device through
-`h2ir.resource.stage_memory` (the same model the planner and simulator use).
+`h2ir.planner.resource.stage_memory` (the same model the planner and simulator use).
 """
 from __future__ import annotations
 
-from h2ir.cluster import Cluster
+from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
-from h2ir.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
+from h2ir.planner.resource import stage_memory
+from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
 
 # how many of a stage's biggest memory consumers an out-of-memory error lists
 _TOP_CONSUMERS = 4
@@ -196,21 +197,13 @@ class _Validator:
             if e % m.ep:
                 self.fail(f"moe: ep={m.ep} does not divide the {e} experts of the MoE layers",
                           "moe.ep")
-        # An expert group is a set of workers, i.e. replicas of one stage (h2ir/schedule.py:
+        # An expert group is a set of workers, i.e. replicas of one stage (h2ir/schedule/streams.py:
         # all_to_all [w..]), so the expert-parallel degree is carved out of dp.
         if self.plan.dp % m.ep:
             self.fail(f"moe: ep={m.ep} does not divide dp={self.plan.dp}; expert-parallel groups "
                       f"are formed from the data-parallel replicas of a stage", "moe.ep")
 
     def memory(self):
-        try:
-            from h2ir.resource import stage_memory
-        except ModuleNotFoundError as e:
-            if e.name != "h2ir.resource":
-                raise
-            self._unchecked_memory = True
-            return
-        self._unchecked_memory = False
         for i, s in enumerate(self.plan.stages):
             mem = stage_memory(self.costs, self.plan, self.cluster, i)
             if mem.total > mem.capacity:
@@ -223,8 +216,6 @@ class _Validator:
 
     def warnings(self) -> list[str]:
         out = []
-        if getattr(self, "_unchecked_memory", False):
-            out.append("memory per device not checked: h2ir.resource is not available")
         for i, s in enumerate(self.plan.stages):
             try:
                 g = self.cluster.group(s.chip)

@@ -1,6 +1,6 @@
 """Cluster description: chip types, nodes and links.
 
-Data only here; loading from TOML and the built-in chip catalog live in `h2ir/clusterfile.py`.
+Data only here; loading from TOML and the built-in chip catalog live in `h2ir/clusters/clusterfile.py`.
 Units: FLOP/s, bytes, bytes/s, seconds.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Discrete-event simulation of a plan's per-worker instruction streams.
 
 The simulator is an interpreter of the same `Instr` streams the executor runs
-(`h2ir.schedule.build_streams`); it differs only in what executing one instruction means: here,
-advancing a worker's clock by the resource model's duration (`h2ir/resource.py`).
+(`h2ir.schedule.streams.build_streams`); it differs only in what executing one instruction means: here,
+advancing a worker's clock by the resource model's duration (`h2ir/planner/resource.py`).
 
 - `fwd` / `bwd` occupy the worker's compute lane for the stage's per-micro-batch time.
 - `send_*` are asynchronous: the transfer occupies the sender's comm lane (one link queue per
@@ -24,12 +24,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cluster import Cluster
-from .costs import ModelCosts
-from .errors import H2Error
-from .plan import Plan
-from .resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
-from .schedule import Instr, build_streams
+from h2ir.clusters.cluster import Cluster
+from h2ir.costs import ModelCosts
+from h2ir.errors import H2Error
+from h2ir.plans.plan import Plan
+from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
+from h2ir.schedule.streams import Instr, build_streams
 
 
 # ----------------------------------------------------------------------------------------------

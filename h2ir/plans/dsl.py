@@ -13,10 +13,10 @@
 `format_plan` prints the canonical form (the layout above, every option spelled out), and
 `parse_plan(format_plan(p)) == p` for every plan that parses. Source positions are kept out of
 equality: StagePlan.line / MoEPlan.line and Plan.locations ('stage.1.tp' -> (line, column)) let
-h2ir/validate.py point its errors at the text.
+h2ir/planner/validate.py point its errors at the text.
 
 This module checks what the text alone can tell (syntax, known words, positive numbers, each
-statement once); whether the plan fits the model and cluster is h2ir/validate.py's job.
+statement once); whether the plan fits the model and cluster is h2ir/planner/validate.py's job.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from h2ir.errors import H2Error, read_user_file
-from h2ir.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, MoEPlan, Plan, StagePlan
+from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, MoEPlan, Plan, StagePlan
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
 

@@ -1,4 +1,4 @@
-"""Cluster description files: TOML text -> `h2ir.cluster.Cluster`, plus the built-in chip catalog.
+"""Cluster description files: TOML text -> `h2ir.clusters.cluster.Cluster`, plus the built-in chip catalog.
 
 A cluster file declares chip types (optionally starting from a catalog entry, `base = "H800"`,
 with per-field overrides) and groups of identical nodes. docs/clusters.md is the reference;
@@ -21,7 +21,7 @@ in short:
     nic_gbps       = 200              # per NIC, Gbit/s (as NICs are sold)
 
 Units in the file are the ones datasheets use (TFLOP/s, GiB, GB/s, Gbit/s, microseconds); the
-`Cluster` holds SI base units (FLOP/s, bytes, B/s, s), as h2ir/cluster.py documents.
+`Cluster` holds SI base units (FLOP/s, bytes, B/s, s), as h2ir/clusters/cluster.py documents.
 
 Every error is an H2Error naming the file, the line (tomllib's for syntax errors; for schema
 errors the line of the offending key, found by scanning the text) and the key path, e.g.
@@ -36,13 +36,13 @@ import re
 import tomllib
 from pathlib import Path
 
-from h2ir.cluster import ChipType, Cluster, NodeGroup
+from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.errors import H2Error, read_user_file
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog" / "chips.toml"
 # Built-in clusters live in the repository's examples/clusters; with `pip install -e .` the
 # package directory is the repository's h2ir/, so this path resolves there.
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+BUILTIN_DIR = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
 GIB = 2 ** 30
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from importlib import import_module
 
-from h2ir.errors import H2Error
+from h2ir.errors import run_subcommand
 
 # subcommand -> "module:function" taking argv and returning an exit code
 SUBCOMMANDS = {
-    "ir": "h2ir.cli:ir_main",
-    "plan": "h2ir.plancli:main",
-    "compile": "h2ir.compiler:main",
-    "profile": "h2ir.calibration:main",
+    "ir": "frontend.cli:ir_main",
+    "plan": "frontend.plancli:main",
+    "compile": "frontend.compiler:main",
+    "profile": "frontend.profile:profile_main",
     "check-ops": "backends.check_ops:main",
 }
 
@@ -79,33 +77,6 @@ def summary_table(costs) -> str:
                 f"{human(sum(l.bwd_flops for l in tot), 'F'):>12} "
                 f"{human(sum(l.act_saved_bytes for l in tot), 'B'):>11}")
     return "\n".join(rows) + "\n"
-
-
-def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
-    """Dispatch `prog CMD ...` to table[CMD]; H2Error becomes a clean message and exit code 2."""
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
-        print(doc)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"{prog}: error: unknown command {argv[0]!r} (expected one of: "
-                  f"{', '.join(table)})", file=sys.stderr)
-            return 2
-        return 0
-    mod, fn = table[argv[0]].split(":")
-    try:
-        return int(getattr(import_module(mod), fn)(argv[1:]) or 0)
-    except H2Error as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:      # a bug of ours, not the user's input: say so, briefly
-        if os.environ.get("H2_DEBUG"):
-            raise
-        print(f"{prog} {argv[0]}: internal error: {type(e).__name__}: {e}\n"
-              f"  this is a bug in h2, not in your input; rerun with H2_DEBUG=1 for the traceback "
-              f"and report it", file=sys.stderr)
-        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

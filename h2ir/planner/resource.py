@@ -1,7 +1,7 @@
 """Resource model: memory per device, compute and communication time per stage.
 
-The planner (`h2ir/search.py`), the simulator (`h2ir/simulate.py`) and the validator
-(`h2ir/validate.py`) all cost a plan through this module, so a number printed by one agrees with
+The planner (`h2ir/planner/search.py`), the simulator (`h2ir/planner/simulate.py`) and the validator
+(`h2ir/planner/validate.py`) all cost a plan through this module, so a number printed by one agrees with
 the others. Every formula cites where it comes from.
 
 Units: bytes, seconds, FLOP, FLOP/s, B/s. "Per device" means one chip: a stage's `chips` are
@@ -28,10 +28,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cluster import ChipType, Cluster, NodeGroup
-from .costs import LayerCost, ModelCosts, MoEInfo
-from .errors import H2Error
-from .plan import Plan
+from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
+from h2ir.costs import LayerCost, ModelCosts, MoEInfo
+from h2ir.errors import H2Error
+from h2ir.plans.plan import Plan
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -411,18 +411,21 @@ class ChipRates:
 
 
 def measured_calibration(backend: str, calibration=None):
-    """The calibration to use for a measured chip on `backend`: the one given if it has the
-    backend, else the stored one (measuring and caching the backend if it is missing)."""
+    """The calibration for a measured chip on `backend`: the one passed in. The planner never
+    measures; the layer that measures (backends/calibrate.py, frontend/profile.py) writes the
+    calibration file and the driver passes it in."""
     if calibration is not None and calibration.has_backend(backend):
         return calibration
-    from .calibration import ensure_calibration
-    return ensure_calibration([backend])
+    where = f" in {calibration.path}" if calibration is not None and calibration.path else ""
+    raise H2Error(f"a `measured` chip runs the {backend!r} backend, but no calibration for it was "
+                  f"given{where}", hint="run `h2c profile` on the machine that runs it, or plan "
+                  "through `h2c plan`/`h2c compile`, which measure what is missing")
 
 
 def chip_rates(chip: ChipType, cluster: Cluster, calibration=None) -> ChipRates:
     """Achievable FLOP/s of a chip: peak x efficiency from the catalog (chip.flops), or, for
     `measured` chips, what `h2c profile` measured (single-thread matmul FLOP/s and copy
-    bandwidth of the chip's backend, `h2ir/calibration.py`); measured now if none is cached."""
+    bandwidth of the chip's backend, `h2ir/planner/calibration.py`), which must be passed in."""
     if chip.measured:
         cal = measured_calibration(chip.backend, calibration)
         f = cal.matmul_flops(chip.backend)

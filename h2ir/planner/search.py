@@ -12,10 +12,10 @@ Search space, outermost first:
                      assuming it, the memory-descending one first so it seeds the bound
   layer split        contiguous layer ranges per stage: branch-and-bound DFS over the stages
                      (bound: the best step time found so far; memory feasibility prunes ranges),
-                     with O(1) range costs from prefix sums (h2ir/resource.py)
+                     with O(1) range costs from prefix sums (h2ir/planner/resource.py)
 
 The inner DFS ranks partitions with a closed-form 1F1B estimate (`estimate`); the final ranking
-simulates the best candidates' instruction streams (h2ir/simulate.py). The uniform plan (even
+simulates the best candidates' instruction streams (h2ir/planner/simulate.py). The uniform plan (even
 layer split, Megatron-style one TP degree) is the baseline and always takes part in the final
 ranking, so the chosen plan is never predicted slower than it.
 
@@ -34,13 +34,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cluster import Cluster
-from .costs import ModelCosts
-from .errors import H2Error
-from .plan import MoEPlan, Plan, StagePlan
-from .resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time, dtype_bytes,
+from h2ir.clusters.cluster import Cluster
+from h2ir.costs import ModelCosts
+from h2ir.errors import H2Error
+from h2ir.plans.plan import MoEPlan, Plan, StagePlan
+from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time, dtype_bytes,
                        inflight_microbatches, nic_share, p2p_link, replica_geometry)
-from .simulate import SimResult, simulate
+from h2ir.planner.simulate import SimResult, simulate
 
 BLOCK_KINDS = ("transformer_block", "moe_block")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -118,7 +118,7 @@ class StageKind:
     """Costing of one stage for a (chip, tp, ep, a2a, in-flight micro-batches) combination:
     prefix sums for time, and for every start layer a the furthest end b up to which the stage
     still fits in memory without recomputation (`fit_none`) and with it if needed (`fit_any`).
-    Memory numbers are h2ir/resource.py's (`memory_items`), evaluated for all (a, b) at once."""
+    Memory numbers are h2ir/planner/resource.py's (`memory_items`), evaluated for all (a, b) at once."""
 
     def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, inflight: int):
         lt = rm.layer_times(chip, tp, ep, a2a)

@@ -2,17 +2,21 @@
 
 This is what an h2x worker really spends per layer: the same h2ir programs, the same
 interpreter (`backends.base.run_program`), one thread. The planner's resource model prefers these
-records (h2ir/calibration.py `layer_times`) over FLOP-rate estimates, which is what makes the
-predicted step time of a local plan land near the measured one.
+records (h2ir/planner/calibration.py `layer_times`) over FLOP-rate estimates, which is what makes the
+predicted step time of a local plan land near the measured one. The measurement belongs to the
+frontend because it runs the frontend's own stage programs on the backends; the planner only
+reads the calibration file it writes.
 
-Run in a subprocess (`measure_in_subprocess`) so thread-pool settings match a worker's exactly.
+Each measurement runs in a subprocess (`python -m frontend.profile`) so thread-pool settings
+match a worker's exactly. `h2c profile` (`profile_main`) is the command line.
 """
 from __future__ import annotations
 
 import os
 
-for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_v, "1")
+from backends.threads import limit_torch_threads, pin_to_core, single_thread_env
+
+single_thread_env()
 
 import argparse
 import json
@@ -20,8 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+from backends.calibrate import profile
+from backends.registry import BACKENDS
+from frontend.capture import parse_model_args
+from h2ir.errors import H2Error
+from h2ir.planner.calibration import Calibration, load_calibration, record_layer_times
 
 
 def _random_inputs(types: dict, vocab: int, rng) -> dict:
@@ -37,9 +48,9 @@ def _random_inputs(types: dict, vocab: int, rng) -> dict:
 def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backend: str,
             reps: int = 5) -> dict:
     """{layer kind: {fwd_s, bwd_s, fwd_flops, bwd_flops}} for each distinct layer kind."""
-    import torch
-    torch.set_num_threads(1)
-    from backends.base import get_backend, run_program
+    limit_torch_threads()
+    from backends.base import run_program
+    from backends.registry import get_backend
     from frontend.capture import trace_model
     from frontend.stages import build_stage_programs
 
@@ -99,7 +110,7 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
         jobs.append(jobs[len(jobs) % len(backends)])
     procs = []
     for i, b in enumerate(jobs):
-        cmd = [sys.executable, "-m", "executor.profile", model_path, "--backend", b,
+        cmd = [sys.executable, "-m", "frontend.profile", model_path, "--backend", b,
                "--micro-batch", str(micro_batch), "--seq-len", str(seq_len),
                "--args", json.dumps(model_args)]
         if cores[0] is not None:
@@ -110,7 +121,6 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
     for b, p in procs:
         out, err = p.communicate()
         if p.returncode != 0:
-            from h2ir.errors import H2Error
             raise H2Error(f"measuring layer times on {b} failed: {err.strip()[-500:]}")
         got.setdefault(b, []).append(json.loads(out.strip().splitlines()[-1]))
     res = {}
@@ -127,8 +137,6 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
 def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backends,
            log=print) -> None:
     """Measure each backend's layer times and store them in the calibration file."""
-    from pathlib import Path
-    from h2ir.calibration import record_layer_times
     measured = measure_concurrently(model_path, model_args, micro_batch, seq_len, list(backends))
     for b in backends:
         res = measured[b]
@@ -140,8 +148,85 @@ def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, ba
                 f"  (micro-batch {micro_batch} x {seq_len})")
 
 
+# ----------------------------------------------------------------------------------------------
+# h2c profile
+
+def profile_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="h2c profile", description="Measure what this machine's "
+                                 "backends achieve (single-thread fp32 matmul FLOP/s, copy "
+                                 "bandwidth) and store it for the planner.")
+    ap.add_argument("--backend", default="all", choices=("torch", "numpy", "all"))
+    ap.add_argument("--quick", action="store_true", help="small sizes, about a second")
+    ap.add_argument("--model", help="also measure this model file's per-layer forward/backward "
+                    "times on each backend (its own compiled programs, one thread) and show the "
+                    "per-layer times the planner will use")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        backends = BACKENDS if a.backend == "all" else (a.backend,)
+        cal = profile(backends, quick=a.quick)
+        if a.model and a.model.endswith(".py"):
+            record(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len, backends,
+                   log=(lambda *x: None) if a.json else print)
+            cal = load_calibration(cal.path)
+        layers = _model_layer_times(a, cal, backends) if a.model else None
+    except H2Error as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if a.json:
+        d = cal.to_json()
+        d["path"] = cal.path
+        if layers is not None:
+            d["model_layers"] = layers
+        print(json.dumps(d, indent=1))
+        return 0
+    print(f"calibration written to {cal.path}")
+    print(f"{'backend':<8} {'threads':>7}  " + "  ".join(f"{'matmul ' + n:>12}" for n in
+                                                        next(iter(cal.backends.values()))["matmul"])
+          + f"  {'copy bw':>10}")
+    for b in backends:
+        r = cal.backends[b]
+        print(f"{b:<8} {r['threads']:>7}  " + "  ".join(f"{v / 1e9:>8.1f} GF/s" for v in r["matmul"].values())
+              + f"  {r['mem_bw'] / 1e9:>6.1f} GB/s")
+    for b, kinds in cal.layer_times.items():
+        for k, rec in kinds.items():
+            print(f"recorded {b} {k}: fwd {rec['fwd_s'] * 1e3:.3g} ms, bwd {rec['bwd_s'] * 1e3:.3g} ms "
+                  f"(micro-batch {rec['micro_batch']}, seq {rec['seq_len']})")
+    if layers:
+        print(f"per-layer times the planner uses for {a.model} (micro-batch {a.micro_batch}):")
+        for row in layers:
+            print(f"  {row['backend']:<6} {row['layer']:<10} {row['kind']:<18} fwd {row['fwd_s'] * 1e3:9.3f} ms  "
+                  f"bwd {row['bwd_s'] * 1e3:9.3f} ms  ({row['source']})")
+    return 0
+
+
+def _model_layer_times(a, cal: Calibration, backends) -> list[dict]:
+    """One row per (backend, distinct layer kind) of the model: the forward/backward seconds the
+    resource model will use on a single-thread worker of that backend."""
+    from frontend.plancli import load_costs
+    costs = load_costs(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len)
+    rows, seen = [], set()
+    for b in backends:
+        flops = cal.matmul_flops(b)
+        for l in costs.layers:
+            if (b, l.kind) in seen:
+                continue
+            seen.add((b, l.kind))
+            rec = cal.layer_time(b, l, costs.micro_batch, costs.seq_len)
+            if rec is not None:
+                f, bw, src = rec[0], rec[1], "recorded layer time"
+            else:
+                f, bw, src = l.fwd_flops / flops, l.bwd_flops / flops, "FLOPs / measured matmul FLOP/s"
+            rows.append({"backend": b, "layer": l.name, "kind": l.kind, "fwd_s": f, "bwd_s": bw,
+                         "source": src})
+    return rows
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m executor.profile")
+    ap = argparse.ArgumentParser(prog="python -m frontend.profile")
     ap.add_argument("model")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -150,10 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--core", type=int, default=None, help="pin to this CPU core")
     a = ap.parse_args(argv)
     if a.core is not None:
-        try:
-            os.sched_setaffinity(0, {a.core})
-        except OSError:
-            pass
+        pin_to_core(a.core)
     print(json.dumps(measure(a.model, json.loads(a.args), a.micro_batch, a.seq_len, a.backend)))
     return 0
 

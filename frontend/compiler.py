@@ -46,9 +46,9 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
                 executable: bool = True):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
     runs today (tp=1, no expert parallelism)."""
-    from h2ir import search as heteroauto
-    from h2ir.calibration import ensure_calibration
-    from backends.base import measured_backends
+    from h2ir.planner import search as heteroauto
+    from backends.calibrate import ensure_calibration
+    from backends.registry import measured_backends
 
     measured = measured_backends(cluster)
     cal = ensure_calibration(measured) if measured else None
@@ -71,9 +71,9 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
                        log=print) -> None:
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
-    this model; measure them once per model and backend (executor/profile.py) if not stored."""
-    from backends.base import measured_backends
-    from h2ir.calibration import load_calibration
+    this model; measure them once per model and backend (frontend/profile.py) if not stored."""
+    from backends.registry import measured_backends
+    from h2ir.planner.calibration import load_calibration
     backends = measured_backends(cluster)
     if not backends:
         return
@@ -83,7 +83,7 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
             if not cal or any(r.get("model") != name for r in cal.layer_times.get(b, {}).values())
             or not cal.layer_times.get(b)]
     if todo:
-        from executor.profile import record
+        from frontend.profile import record
         log(f"measuring per-layer times of {name} on {', '.join(todo)} (once; stored in the "
             "calibration file)")
         record(model_path, model_args, micro_batch, seq_len, todo, log=log)
@@ -108,7 +108,8 @@ def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: st
                     dry_run: bool) -> dict:
     """Bind a stage's programs to a backend's kernels; an op the backend lacks is an error now,
     not a crash at step 500."""
-    from backends.base import get_backend, missing_kernels, resolve_stack
+    from backends.base import missing_kernels
+    from backends.registry import get_backend, resolve_stack
     resolved = resolve_stack(stack)
     used = sorted(prog_fwd.ops_used() | prog_bwd.ops_used())
     if resolved is None:
@@ -139,18 +140,18 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     import torch
     from frontend.capture import trace_model
     from frontend.stages import build_stage_programs
-    from h2ir.clusterfile import load_cluster
-    from h2ir.plandsl import format_plan
-    from h2ir.schedule import build_streams, format_stream, to_csv
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.plans.dsl import format_plan
+    from h2ir.schedule.streams import build_streams, format_stream, to_csv
     from h2ir.text import print_graph
-    from h2ir.validate import validate_plan
+    from h2ir.planner.validate import validate_plan
 
     t0 = time.perf_counter()
     model_args = model_args or {}
     cluster = load_cluster(cluster_arg)
     fplan = None
     if plan_arg not in ("auto", "uniform"):
-        from h2ir.plandsl import load_plan
+        from h2ir.plans.dsl import load_plan
         fplan = load_plan(plan_arg)
         micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
         cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
