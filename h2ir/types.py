@@ -1,11 +1,59 @@
 """Value types of h2ir: a dtype and a static shape, printed like jaxprs (`f32[2,128,256]`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
-# h2ir dtype name -> bytes per element
-DTYPES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i8": 1, "u8": 1, "bool": 1}
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    """One h2ir dtype: its size, kind, how its bytes look on the host and on the wire (a numpy
+    dtype, little-endian; bf16 travels as the uint16 of its bits) and torch's name for it."""
+    name: str
+    itemsize: int
+    kind: str              # 'float' | 'int' | 'bool'
+    host: str              # numpy dtype string of the host / wire form
+    torch: str             # attribute of the torch module
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+    @property
+    def host_dtype(self) -> np.dtype:
+        return np.dtype(self.host)
+
+
+# The one dtype table. Backends, the frontend, checkpoints and DiComm derive their maps from it.
+DTYPE_TABLE: dict[str, DType] = {d.name: d for d in (
+    DType("f64", 8, "float", "<f8", "float64"),
+    DType("f32", 4, "float", "<f4", "float32"),
+    DType("f16", 2, "float", "<f2", "float16"),
+    DType("bf16", 2, "float", "<u2", "bfloat16"),
+    DType("i64", 8, "int", "<i8", "int64"),
+    DType("i32", 4, "int", "<i4", "int32"),
+    DType("i8", 1, "int", "i1", "int8"),
+    DType("u8", 1, "int", "u1", "uint8"),
+    DType("bool", 1, "bool", "?", "bool"),
+)}
+DTYPES = {n: d.itemsize for n, d in DTYPE_TABLE.items()}          # name -> bytes per element
+FLOAT_DTYPES = tuple(n for n, d in DTYPE_TABLE.items() if d.is_float)
+_BY_HOST = {d.host_dtype: n for n, d in DTYPE_TABLE.items()}
+
+
+def host_dtype(name: str) -> np.dtype:
+    """The numpy dtype that holds an h2ir `name` value on the host (bf16 -> uint16 bits)."""
+    return DTYPE_TABLE[name].host_dtype
+
+
+def dtype_of_host(dt) -> str:
+    """The h2ir name of a host numpy dtype (uint16 is read as bf16 bits); KeyError if none."""
+    dt = np.dtype(dt)
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("<")
+    return _BY_HOST[dt]
 
 
 @dataclass(frozen=True)
