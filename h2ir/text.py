@@ -22,10 +22,9 @@ import json
 import re
 from pathlib import Path
 
-from lark import Lark, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, \
-    UnexpectedToken, v_args
+from lark import Lark, Transformer, UnexpectedInput, v_args
 
-from h2ir.errors import H2Error, read_user_file
+from h2ir.errors import H2Error, lark_error, read_user_file
 from h2ir.graph import Graph, Layer, Node, Value, check_node_types
 from h2ir.types import TensorType
 
@@ -103,22 +102,11 @@ def print_graph(g: Graph, costs: bool = True) -> str:
 _GRAMMAR = (Path(__file__).with_name("h2ir.lark")).read_text()
 _parser = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
+# Plain words for the named terminals in "expected ..." lists (literal ones are shown quoted).
 _TOKEN_WORDS = {
     "VAR": "a value like %x", "NAME": "a name", "INT": "an integer", "FLOAT": "a number",
-    "DTYPE": "a dtype like f32", "ESCAPED_STRING": "a quoted string", "LPAR": "'('",
-    "RPAR": "')'", "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "EQUAL": "'='", "COLON": "':'",
-    "$END": "end of file",
+    "DTYPE": "a dtype like f32", "ESCAPED_STRING": "a quoted string",
 }
-
-
-def _expected_words(expected) -> str:
-    words = []
-    for t in sorted(expected):
-        if t in _TOKEN_WORDS:
-            words.append(_TOKEN_WORDS[t])
-        else:
-            words.append(repr(t.lower().strip('"')) if t.isupper() else repr(t))
-    return ", ".join(dict.fromkeys(words))
 
 
 class _Build(Transformer):
@@ -159,18 +147,8 @@ def parse_graph(text: str, file: str = "<string>") -> Graph:
     """Parse h2ir text. Errors are H2Error with file, line, column and what was expected."""
     try:
         tree = _parser.parse(text)
-    except UnexpectedCharacters as e:
-        raise H2Error(f"unexpected character {text[e.pos_in_stream]!r}; expected "
-                      f"{_expected_words(e.allowed or [])}", file, e.line, e.column) from None
-    except UnexpectedToken as e:
-        got = "end of file" if e.token.type == "$END" else repr(str(e.token))
-        raise H2Error(f"unexpected {got}; expected {_expected_words(e.expected)}",
-                      file, e.line, e.column) from None
-    except UnexpectedEOF as e:
-        raise H2Error(f"unexpected end of file; expected {_expected_words(e.expected)}",
-                      file, e.line or None, e.column or None) from None
-    except UnexpectedInput as e:   # pragma: no cover - other lark input errors
-        raise H2Error(f"syntax error: {e}", file, getattr(e, "line", None)) from None
+    except UnexpectedInput as e:
+        raise lark_error(e, text, file, _parser.terminals, _TOKEN_WORDS) from None
     tree = _Build(file).transform(tree)
     return _Resolve(file).graph(tree)
 

@@ -26,9 +26,9 @@ import re
 from pathlib import Path
 
 from lark import Lark, Token, Tree
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedInput
 
-from h2ir.errors import H2Error, read_user_file
+from h2ir.errors import H2Error, lark_error, read_user_file
 from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, MoEPlan, Plan, StagePlan
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
@@ -42,10 +42,11 @@ MAX_LAYER_ENTRIES = 100_000
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _BLOCK_RE = re.compile(r"block\.(0|[1-9][0-9]*)")
 
-# Plain words for the grammar's terminals, used in "expected ..." lists.
+# Plain words for the grammar's named terminals, used in "expected ..." lists (literal ones are
+# shown quoted).
 _TERMINAL_WORDS = {
     "INT": "a number", "NAME": "a name", "WORD": "a word", "STRING": "a quoted string",
-    "BATCH_KEY": "global, micro or seq", "_NL": "end of line", "$END": "end of file",
+    "BATCH_KEY": "global, micro or seq", "_NL": "end of line",
 }
 
 
@@ -57,7 +58,7 @@ def parse_plan(text: str, file: str = "<string>") -> Plan:
     try:
         tree = _parser().parse(text + "\n")
     except UnexpectedInput as e:
-        raise _syntax_error(e, text, file) from None
+        raise lark_error(e, text, file, _parser().terminals, _TERMINAL_WORDS) from None
     plan = _PlanBuilder(file).build(tree)
     plan.source = file
     return plan
@@ -334,61 +335,3 @@ def _quote(s: str) -> str:
 
 def _name_or_quote(s: str) -> str:
     return s if _NAME_RE.fullmatch(s) else _quote(s)
-
-
-def _syntax_error(e: UnexpectedInput, text: str, file: str) -> H2Error:
-    """A lark error as an H2Error in plain words: where, what was found, what was expected."""
-    last_line = text.count("\n") + 1
-    line = getattr(e, "line", None)
-    col = getattr(e, "column", None)
-    if not isinstance(line, int) or line < 1:
-        line, col = last_line, None
-    line = min(line, last_line)          # the "\n" parse_plan appends is not the user's
-    if isinstance(e, UnexpectedCharacters):
-        ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else ""
-        found = f"character {_show_char(ch)}"
-        expected = e.allowed or set()
-    elif isinstance(e, UnexpectedToken):
-        tok = e.token
-        if tok.type == "_NL":
-            found = "end of line"
-        elif tok.type == "$END":
-            found = "end of file"
-        else:
-            shown = str(tok) if len(tok) <= 30 else str(tok)[:27] + "..."
-            found = f"'{shown}'"
-        expected = e.expected or set()
-    elif isinstance(e, UnexpectedEOF):
-        found, expected = "end of file", e.expected or set()
-    else:
-        found, expected = "input", set()
-    words = _expected_words(expected)
-    message = f"unexpected {found}"
-    if words:
-        message += "; expected " + (words[0] if len(words) == 1 else
-                                    "one of: " + ", ".join(words))
-    return H2Error(message, file=file, line=line, col=col)
-
-
-def _expected_words(names) -> list[str]:
-    terminals = {t.name: t for t in _parser().terminals}
-    words = []
-    for name in sorted(names):
-        if name in _TERMINAL_WORDS:
-            words.append(_TERMINAL_WORDS[name])
-        elif name in terminals and type(terminals[name].pattern).__name__ == "PatternStr":
-            words.append(f"'{terminals[name].pattern.value}'")
-        else:
-            words.append(name.lower())
-    # keywords first (quoted, alphabetical), then the kinds of value
-    return sorted(set(words), key=lambda w: (not w.startswith("'"), w))
-
-
-def _show_char(ch: str) -> str:
-    if not ch:
-        return "end of file"
-    if ch.isprintable() and ch.isascii():
-        return f"'{ch}'"
-    if ch.isprintable():
-        return f"'{ch}' (U+{ord(ch):04X})"
-    return f"U+{ord(ch):04X}"
