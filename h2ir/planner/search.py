@@ -673,7 +673,7 @@ def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len
                  max_tp: int | None = None) -> Candidate:
     """The baseline: best uniform plan by simulated step time among the top few by estimate."""
     seq_len = seq_len or costs.seq_len
-    mbs = [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
+    mbs = micro_batch_options(global_batch, micro_batch)
     cands = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule, calibration,
                                max_tp=max_tp)
     if not cands:
@@ -810,16 +810,133 @@ class _ConfigBound:
         return (best + other) * (1 - 1e-9)
 
 
+def micro_batch_options(global_batch: int, micro_batch: int | None) -> list[int]:
+    """The micro-batch sizes to try: the one asked for, else those of MICRO_BATCHES that divide
+    the global batch."""
+    return [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
+
+
+class _BestFirstSearch:
+    """HeteroAuto's best-first queue over lazily refined lower bounds. An entry is
+    (bound, seq, step, item); each step refines its item and re-queues it one level down:
+
+      config  quick `_ConfigBound` bound  -> full bound, then its stage orders
+      order   the order's own bound (`StageLine.min_bottleneck`) -> its layer split
+      split   DFS over the line's stage groups (`StageLine.best_split`) -> candidates
+
+    The search stops when the smallest bound left cannot beat the `keep`-th best estimate."""
+
+    def __init__(self, costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
+                 schedule: str, exhaustive: bool, keep: int, node_budget: int, orders: list,
+                 rms: dict, kinds: dict):
+        self.costs, self.cluster, self.global_batch, self.seq_len = costs, cluster, global_batch, seq_len
+        self.schedule, self.exhaustive, self.keep, self.node_budget = schedule, exhaustive, keep, node_budget
+        self.orders, self.rms, self.kinds = orders, rms, kinds
+        self.bound = _ConfigBound(costs)
+        self.found: list[Candidate] = []
+        self.nodes = self.searched = 0
+        self.heap: list = []
+        self.seq = itertools.count()
+
+    def threshold(self) -> float:
+        """The `keep`-th best estimate found so far: a bound at or above it is not worth pursuing."""
+        if len(self.found) < self.keep:
+            return math.inf
+        return sorted(c.estimate_s for c in self.found)[self.keep - 1]
+
+    def push(self, lb: float, step: str, item: tuple):
+        heapq.heappush(self.heap, (lb, next(self.seq), step, item))
+
+    def offer(self, line: StageLine, moe, scored, kind: str):
+        """Keep the candidates of (estimate, bounds) pairs from `line`; the best keep*4 survive."""
+        for est, bounds in scored:
+            plan = line.plan(bounds, self.costs.model, self.cluster, self.global_batch, self.seq_len, moe)
+            self.found.append(Candidate(plan, est, kind, line.config, bounds))
+        self.found.sort(key=lambda c: c.estimate_s)
+        del self.found[self.keep * 4:]
+
+    def add_configurations(self, cfgs, counts: dict, calibration):
+        """Queue every candidate configuration (dp, micro-batch, tp per chip type) that can hold
+        the model states at all, in the memory-descending order, under its quick bound."""
+        counts_t = tuple(sorted(counts.items()))
+        for mb, dp, m, tps in cfgs:
+            if mb not in self.rms:
+                self.rms[mb] = ResourceModel(self.costs, self.cluster, mb, self.seq_len, calibration)
+            rm = self.rms[mb]
+            if not _fits_at_all(rm, self.cluster, counts, dp):
+                continue
+            moe = _moe_plan(rm, self.cluster, rm.costs, dp, dict(tps))
+            ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
+            stats = self.bound.stats(rm, {(c, t): counts[c] // (dp * t) for c, t in tps}, ep, a2a)
+            cfg = Config(dp, mb, m, tps, self.orders[0], counts_t)
+            lb = 0.0 if self.exhaustive else self.bound.quick(stats, m)
+            self.push(lb, "config", (cfg, moe, stats))
+
+    def run(self):
+        steps = {"config": self._bound_config, "orders": self._stage_orders,
+                 "order": self._bound_order, "split": self._layer_split}
+        while self.heap:
+            lb, _, step, item = heapq.heappop(self.heap)
+            if lb >= self.threshold():
+                break                 # every choice left is bounded below by the keep-th best
+            steps[step](lb, *item)
+
+    def _bound_config(self, lb, cfg, moe, stats):
+        lb = 0.0 if self.exhaustive else max(lb, self.bound.full(stats, cfg.m))
+        if lb < math.inf:
+            self.push(lb, "orders", (cfg, moe))
+
+    def _stage_orders(self, lb, cfg, moe):
+        for order in self.orders:
+            c = Config(cfg.dp, cfg.micro_batch, cfg.m, cfg.tp, order, cfg.counts)
+            self.push(lb, "order", (c, moe))
+
+    def _bound_order(self, lb, cfg, moe):
+        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
+        line = StageLine(self.rms[cfg.micro_batch], cfg, self.schedule, ep, a2a, self.kinds)
+        self.searched += 1
+        if self.exhaustive:
+            self.offer(line, moe, line.all_splits(self.keep), "exhaustive")
+            return
+        r = line.min_bottleneck()
+        if r is None:
+            return                                # this order cannot fit in memory
+        T_lo, inc = r
+        olb = max(lb, line.lb_sum[0][0] + (line.m - 1) * T_lo)
+        self.push(olb, "split", (line, inc, moe))
+
+    def _layer_split(self, lb, line, inc, moe):
+        # small lines keep their `keep` best splits (the final ranking simulates the best
+        # few overall, as the exhaustive search does); large ones keep one
+        res, n = line.best_split(self.threshold(), self.node_budget, incumbent=inc,
+                                 k=self.keep if line.S * line.L <= 256 else 1)
+        self.nodes += n
+        self.offer(line, moe, res, "auto")
+
+
+def _rank_by_simulation(costs: ModelCosts, cluster: Cluster, found: list, uniforms: list, keep: int,
+                        calibration, rms: dict) -> tuple[list, Candidate | None]:
+    """Simulate the `keep` best candidates by estimate and the best uniform plan; (all of them
+    by simulated step time, the uniform candidate)."""
+    found.sort(key=lambda c: c.estimate_s)
+    finalists = found[:keep]
+    for c in finalists + uniforms[:1]:
+        c.sim = simulate(costs, c.plan, cluster, calibration, resource=rms[c.plan.micro_batch])
+    uniform = uniforms[0] if uniforms else None
+    pool = sorted(finalists + ([uniform] if uniform else []), key=lambda c: c.step_time_s)
+    return pool, uniform
+
+
 def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
            micro_batch: int | None = None, schedule: str = "1f1b", method: str = "heuristic",
            calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 30_000,
            max_tp: int | None = None) -> SearchResult:
     """HeteroAuto: the plan with the lowest simulated step time among the best candidates.
 
-    Heuristic: best-first over lazily refined lower bounds. A configuration enters with a
-    quick bound, is re-queued with the full `_ConfigBound`, then expands into its stage
-    orders; an order is re-queued with its own bound (fewest-layers bottleneck of that exact
-    line, `StageLine.min_bottleneck`), and only when it is popped again is its layer split
+    Heuristic: best-first over lazily refined lower bounds (`_BestFirstSearch`). A configuration
+    enters with a quick bound, is re-queued with the full `_ConfigBound`, then expands into its
+    stage orders; an order is re-queued with its own bound (fewest-layers bottleneck of that
+    exact line, `StageLine.min_bottleneck`), and only when it is popped again is its layer split
     searched (`StageLine.best_split`). The search stops when the smallest bound left cannot
     beat the `top_k`-th best estimate found, so every skipped choice is provably worse by the
     estimate (up to the DFS node budget)."""
@@ -829,103 +946,31 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
         raise H2Error(f"global batch must be positive, got {global_batch}")
     t0 = time.perf_counter()
     seq_len = seq_len or costs.seq_len
-    mbs = [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
+    mbs = micro_batch_options(global_batch, micro_batch)
     cfgs, counts = _configs(costs, cluster, global_batch, mbs, schedule, dp_options, max_tp)
     orders = memory_orders(cluster, list(counts))
-    counts_t = tuple(sorted(counts.items()))
-    rms: dict[int, ResourceModel] = {}
-    cb = _ConfigBound(costs)
-    kinds: dict = {}
     exhaustive = method == "exhaustive"
-
-    found: list[Candidate] = []
-    keep = max(top_k, 3)
-    nodes = searched = 0
-
-    def threshold():
-        if len(found) < keep:
-            return math.inf
-        return sorted(c.estimate_s for c in found)[keep - 1]
-
     if exhaustive:
         _check_exhaustive_size(costs, cfgs, counts, len(orders))
-    heap: list = []
-    seq = itertools.count()
-    for mb, dp, m, tps in cfgs:
-        if mb not in rms:
-            rms[mb] = ResourceModel(costs, cluster, mb, seq_len, calibration)
-        rm = rms[mb]
-        if not _fits_at_all(rm, cluster, counts, dp):
-            continue
-        moe = _moe_plan(rm, cluster, rm.costs, dp, dict(tps))
-        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
-        stats = cb.stats(rm, {(c, t): counts[c] // (dp * t) for c, t in tps}, ep, a2a)
-        cfg = Config(dp, mb, m, tps, orders[0], counts_t)
-        lb = 0.0 if exhaustive else cb.quick(stats, m)
-        heapq.heappush(heap, (lb, next(seq), "config", (cfg, moe, stats)))
-
-    while heap:
-        lb, _, what, item = heapq.heappop(heap)
-        if lb >= threshold():
-            break                 # every choice left is bounded below by the top_k-th best
-        if what == "config":
-            cfg, moe, stats = item
-            lb = 0.0 if exhaustive else max(lb, cb.full(stats, cfg.m))
-            if lb < math.inf:
-                heapq.heappush(heap, (lb, next(seq), "orders", (cfg, moe)))
-        elif what == "orders":
-            cfg, moe = item
-            for order in orders:
-                c = Config(cfg.dp, cfg.micro_batch, cfg.m, cfg.tp, order, cfg.counts)
-                heapq.heappush(heap, (lb, next(seq), "order", (c, moe)))
-        elif what == "order":
-            cfg, moe = item
-            ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
-            line = StageLine(rms[cfg.micro_batch], cfg, schedule, ep, a2a, kinds)
-            searched += 1
-            if exhaustive:
-                for est, bounds in line.all_splits(keep):
-                    found.append(Candidate(line.plan(bounds, costs.model, cluster, global_batch,
-                                                     seq_len, moe), est, "exhaustive", cfg, bounds))
-                found.sort(key=lambda c: c.estimate_s)
-                del found[keep * 4:]
-                continue
-            r = line.min_bottleneck()
-            if r is None:
-                continue                          # this order cannot fit in memory
-            T_lo, inc = r
-            olb = max(lb, line.lb_sum[0][0] + (line.m - 1) * T_lo)
-            heapq.heappush(heap, (olb, next(seq), "split", (line, inc, moe)))
-        else:
-            line, inc, moe = item
-            # small lines keep their `keep` best splits (the final ranking simulates the best
-            # few overall, as the exhaustive search does); large ones keep one
-            res, n = line.best_split(threshold(), node_budget, incumbent=inc,
-                                     k=keep if line.S * line.L <= 256 else 1)
-            nodes += n
-            for est, bounds in res:
-                found.append(Candidate(line.plan(bounds, costs.model, cluster, global_batch,
-                                                 seq_len, moe), est, "auto", line.config, bounds))
-            found.sort(key=lambda c: c.estimate_s)
-            del found[keep * 4:]
+    keep = max(top_k, 3)
+    rms: dict[int, ResourceModel] = {}
+    kinds: dict = {}
+    bfs = _BestFirstSearch(costs, cluster, global_batch, seq_len, schedule, exhaustive, keep,
+                           node_budget, orders, rms, kinds)
+    bfs.add_configurations(cfgs, counts, calibration)
+    bfs.run()
 
     uniforms = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule,
                                   calibration, rms, dp_options, kinds, max_tp)
-    if not found and not uniforms:
+    if not bfs.found and not uniforms:
         raise H2Error(f"no plan of {costs.model} fits in {cluster.name}'s memory "
                       f"(global batch {global_batch}, micro-batches {mbs})",
                       hint="add chips, lower the micro-batch or sequence length")
-    found.sort(key=lambda c: c.estimate_s)
-    finalists = found[:keep]
-    for c in finalists + uniforms[:1]:
-        c.sim = simulate(costs, c.plan, cluster, calibration, resource=rms[c.plan.micro_batch])
-    uniform = uniforms[0] if uniforms else None
-    pool = sorted(finalists + ([uniform] if uniform else []), key=lambda c: c.step_time_s)
-    best = pool[0]
-    return SearchResult(best=best, runner_ups=[c for c in pool[1:top_k + 1]], uniform=uniform,
+    pool, uniform = _rank_by_simulation(costs, cluster, bfs.found, uniforms, keep, calibration, rms)
+    return SearchResult(best=pool[0], runner_ups=pool[1:top_k + 1], uniform=uniform,
                         search_time_s=time.perf_counter() - t0, method=method,
-                        configs_total=len(cfgs) * len(orders), configs_searched=searched,
-                        dfs_nodes=nodes)
+                        configs_total=len(cfgs) * len(orders), configs_searched=bfs.searched,
+                        dfs_nodes=bfs.nodes)
 
 
 # ----------------------------------------------------------------------------------------------
