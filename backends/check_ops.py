@@ -1,4 +1,4 @@
-"""`h2c check-ops`: op-level accuracy of a backend against a float64 reference.
+"""`h2c check-ops`: op-level accuracy of a backend against an independent float64 reference.
 
 H2's bottom-up accuracy alignment (DiTorch, arXiv 2505.17548, Sec. 3.1) starts at the single
 operator: before a chip trains anything, every kernel of its op library must agree with a trusted
@@ -8,9 +8,12 @@ reference on fresh random inputs. For every op of the h2ir op set that a backend
 1. draws inputs from the op's spec below (seeded per op; realistic shapes; valid indices for
    embedding/nll_loss; positive inputs for log/sqrt/rsqrt; distinct values for topk),
 2. rounds the floating inputs to the dtype under test and runs the backend's kernel on them,
-3. runs the same op on the *rounded* inputs in float64 with torch eager (the ATen function
-   itself, e.g. `_scaled_dot_product_flash_attention_for_cpu`), so the error measured is the
-   kernel's, not the inputs' quantisation,
+3. runs the same op on the *rounded* inputs in float64 in a library other than the one under
+   test, so the error measured is the kernel's, not the inputs' quantisation, and a wrong kernel
+   cannot agree with itself: the torch backend is checked against the NumPy backend's kernels
+   ("numpy-f64"), the NumPy backend against torch eager calling the ATen function itself, e.g.
+   `_scaled_dot_product_flash_attention_for_cpu` ("torch-f64", REFERENCE below). An op the NumPy
+   backend lacks falls back to torch-f64 and is reported with `reference_independent: false`,
 4. compares with allclose semantics: |out - ref| <= atol + rtol * |ref| per element, with the
    tolerances of TOLERANCE (integer and bool results must match exactly), and checks each result's
    shape and dtype against the op set's type rule.
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from h2ir import opset
 from h2ir.errors import H2Error
 from h2ir.opset import Group
-from h2ir.types import TensorType
+from h2ir.types import DTYPE_TABLE, TensorType, dtype_of_host
 
 aten = torch.ops.aten
 
@@ -50,12 +53,21 @@ TOLERANCE = {"f64": (1e-10, 1e-10), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-3),
 FLOAT_DTYPES = tuple(TOLERANCE)
 EXCLUDED_GROUPS = (Group.COMM, Group.MOE)      # executed by the runtime and DiComm
 
-_TORCH = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-          "i64": torch.int64, "i32": torch.int32, "i8": torch.int8, "u8": torch.uint8,
-          "bool": torch.bool}
-_NUMPY_H2 = {np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-             np.dtype(np.int64): "i64", np.dtype(np.int32): "i32", np.dtype(np.int8): "i8",
-             np.dtype(np.uint8): "u8", np.dtype(np.bool_): "bool"}
+
+# The float64 references, by the library that computes them. A backend is checked against the
+# other library's (its own would share the kernel's code and any bug in it).
+REFERENCES = {"numpy-f64": "the numpy backend's kernels in float64",
+              "torch-f64": "torch eager (ATen) in float64"}
+_LIBRARY = {"numpy-f64": "numpy", "torch-f64": "torch"}
+
+
+def reference_for(backend_name: str) -> str:
+    """The default reference of a backend: the numpy kernels for torch, torch for the rest."""
+    return "numpy-f64" if backend_name == "torch" else "torch-f64"
+
+
+def _torch_dtype(h2: str) -> torch.dtype:
+    return getattr(torch, DTYPE_TABLE[h2].torch)
 
 
 def checked_ops() -> list[str]:
@@ -261,7 +273,7 @@ def _as_tensors(*xs):
 
 
 def _ref_dtype(h2: str) -> torch.dtype:
-    return torch.float64 if h2 in FLOAT_DTYPES else _TORCH[h2]
+    return torch.float64 if h2 in FLOAT_DTYPES else _torch_dtype(h2)
 
 
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}
@@ -334,10 +346,13 @@ class OpResult:
     max_rel: float = 0.0
     passed: bool = True
     error: str | None = None
+    reference: str = "torch-f64"
+    reference_independent: bool = True      # the reference is not the tested backend's library
 
     def to_json(self) -> dict:
         d = {"op": self.op, "dtype": self.dtype, "max_abs": self.max_abs, "max_rel": self.max_rel,
-             "pass": self.passed}
+             "pass": self.passed, "reference": self.reference,
+             "reference_independent": self.reference_independent}
         if self.error:
             d["error"] = self.error
         return d
@@ -349,6 +364,8 @@ class CheckReport:
     dtype: str
     results: list                  # OpResult, in op-set order
     missing: list                  # checked ops the backend has no kernel for
+    reference: str = "torch-f64"   # the reference asked for (REFERENCES)
+    reference_gaps: list = field(default_factory=list)   # ops it lacks: checked with torch-f64
 
     @property
     def implemented(self) -> int:
@@ -363,19 +380,21 @@ class CheckReport:
         return [r for r in self.results if not r.passed]
 
     def to_json(self) -> dict:
-        return {"backend": self.backend, "dtype": self.dtype,
+        return {"backend": self.backend, "dtype": self.dtype, "reference": self.reference,
+                "reference_gaps": list(self.reference_gaps),
                 "coverage": {"implemented": self.implemented, "total": self.total},
                 "ops": [r.to_json() for r in self.results]}
 
 
-def _round_to(data: np.ndarray, dtype: str) -> tuple[np.ndarray, torch.Tensor]:
-    """(host array in `dtype` for the backend, the same values as a reference tensor)."""
-    if dtype in FLOAT_DTYPES:
-        t = torch.from_numpy(np.asarray(data, dtype=np.float64)).to(_TORCH[dtype])
+def _round_to(data: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(host array in `dtype` for the backend, the same values for the reference: float64 for a
+    float dtype, else `dtype` itself; a copy, so no kernel shares memory with the reference)."""
+    if dtype in FLOAT_DTYPES:                  # numpy has no bf16: torch rounds
+        t = torch.from_numpy(np.asarray(data, dtype=np.float64)).to(_torch_dtype(dtype))
         host = t.view(torch.uint16).numpy() if dtype == "bf16" else t.numpy()
-        return host, t.to(torch.float64)
-    t = torch.from_numpy(np.asarray(data)).to(_TORCH[dtype])
-    return t.numpy(), t
+        return host, t.to(torch.float64).numpy().copy()
+    t = torch.from_numpy(np.asarray(data)).to(_torch_dtype(dtype))
+    return t.numpy(), t.numpy().copy()
 
 
 def _host_to_f64(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -410,13 +429,57 @@ def _tolerance(test_dtype: str, out_dtype: str) -> tuple[float, float]:
     return max(a[0], b[0]), max(a[1], b[1])
 
 
-def check_op(backend, op: str, dtype: str, seed: int = 0) -> OpResult:
-    """Run every case of `op`'s spec on `backend` at `dtype` and compare with the f64 reference."""
-    res = OpResult(op, dtype)
+def _reference_kernel(op: str, reference: str, numpy_ops: dict | None) -> Callable:
+    """The f64 kernel of `op` in `reference`: (*inputs as f64/int/bool numpy arrays, **attrs) ->
+    result(s), numpy arrays (numpy-f64) or tensors (torch-f64)."""
+    if reference == "numpy-f64":
+        kernel = numpy_ops[op]
+
+        def run(*ins, **attrs):
+            if attrs.get("dtype") in FLOAT_DTYPES:        # creation/cast ops: float means f64
+                attrs = {**attrs, "dtype": "f64"}
+            return kernel(*ins, **attrs)
+        return run
+    fn = REFERENCE[op]
+
+    def run(*ins, **attrs):
+        return fn(*(torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in ins), **attrs)
+    return run
+
+
+def _as_f64(r) -> np.ndarray:
+    if isinstance(r, torch.Tensor):
+        return r.detach().to(torch.float64).numpy()
+    return np.asarray(r).astype(np.float64)
+
+
+def _host_dtype_name(a: np.ndarray) -> str:
+    try:
+        return dtype_of_host(a.dtype)                    # uint16 reads as bf16 bits
+    except KeyError:
+        return str(a.dtype)
+
+
+def check_op(backend, op: str, dtype: str, seed: int = 0, reference: str | None = None,
+             numpy_ops: dict | None = None) -> OpResult:
+    """Run every case of `op`'s spec on `backend` at `dtype` and compare with the f64 reference
+    (default: `reference_for(backend.name)`; numpy-f64 uses `numpy_ops`, the numpy backend's op
+    table, looked up in the registry when not given)."""
+    reference = reference or reference_for(backend.name)
+    if reference not in REFERENCES:
+        raise H2Error(f"reference {reference!r}: expected one of {', '.join(REFERENCES)}")
+    if reference == "numpy-f64" and numpy_ops is None:
+        from backends.registry import get_backend
+        numpy_ops = get_backend("numpy").ops
+    if reference == "numpy-f64" and op not in numpy_ops:
+        reference = "torch-f64"                          # the numpy library lacks it: fall back
+    res = OpResult(op, dtype, reference=reference,
+                   reference_independent=_LIBRARY[reference] != backend.name)
     d = opset.get(op)
-    if op not in SPECS or op not in REFERENCE:
+    if op not in SPECS or (reference == "torch-f64" and op not in REFERENCE):
         res.passed, res.error = False, "no input spec/reference in backends/check_ops.py"
         return res
+    ref_kernel = _reference_kernel(op, reference, numpy_ops)
     draw = Draw(seed + zlib.crc32(op.encode()))
     for case in SPECS[op](draw):
         attrs = {k: v for k, v in d.attrs.items()}
@@ -429,7 +492,7 @@ def check_op(backend, op: str, dtype: str, seed: int = 0) -> OpResult:
                 xdt = x.dtype or dtype
                 host, ref = _round_to(x.data, xdt)
                 ins.append(backend.from_numpy(host, xdt))
-                ref_ins.append(ref.to(torch.float64) if xdt in FLOAT_DTYPES else ref)
+                ref_ins.append(ref)
                 types.append(TensorType(xdt, host.shape))
             else:
                 ins.append(x)
@@ -440,21 +503,20 @@ def check_op(backend, op: str, dtype: str, seed: int = 0) -> OpResult:
             got = backend.ops[op](*ins, **attrs)
             backend.synchronize()
             got = list(got) if isinstance(got, (tuple, list)) else [got]
-            ref = REFERENCE[op](*ref_ins, **attrs)
+            ref = ref_kernel(*ref_ins, **attrs)
             ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
             if len(got) != len(want):
                 raise AssertionError(f"{len(got)} result(s), the op set declares {len(want)}")
             for g, r, w in zip(got, ref, want):
                 host = backend.to_numpy(g)
-                host_dt = "bf16" if (w.dtype == "bf16" and host.dtype == np.uint16) else \
-                    _NUMPY_H2.get(host.dtype, str(host.dtype))
+                host_dt = _host_dtype_name(host)
                 if host_dt != w.dtype or tuple(host.shape) != w.shape:
                     raise AssertionError(f"result {host_dt}{list(host.shape)}, the op set "
                                          f"declares {w}")
                 atol, rtol = _tolerance(dtype, w.dtype)
                 exact = w.dtype not in FLOAT_DTYPES
-                mabs, mrel, ok = _compare(_host_to_f64(host, w.dtype),
-                                          r.detach().to(torch.float64).numpy(), atol, rtol, exact)
+                mabs, mrel, ok = _compare(_host_to_f64(host, w.dtype), _as_f64(r), atol, rtol,
+                                          exact)
                 res.max_abs = max(res.max_abs, mabs)
                 res.max_rel = max(res.max_rel, mrel)
                 res.passed = res.passed and ok
@@ -464,36 +526,62 @@ def check_op(backend, op: str, dtype: str, seed: int = 0) -> OpResult:
     return res
 
 
-def check_backend(backend, dtype: str = "f32", seed: int = 0, ops: list[str] | None = None
-                  ) -> CheckReport:
-    """Check every op of the set (but COMM/MOE) that `backend` implements, at `dtype`."""
+def check_backend(backend, dtype: str = "f32", seed: int = 0, ops: list[str] | None = None,
+                  reference: str | None = None) -> CheckReport:
+    """Check every op of the set (but COMM/MOE) that `backend` implements, at `dtype`, against
+    `reference` (default: `reference_for(backend.name)`, never the backend's own library)."""
     if dtype not in FLOAT_DTYPES:
         raise H2Error(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
     if dtype not in backend.dtypes:
         raise H2Error(f"backend {backend.name} does not compute in {dtype} (its dtypes: "
                       f"{', '.join(sorted(backend.dtypes))})")
+    reference = reference or reference_for(backend.name)
+    if reference not in REFERENCES:
+        raise H2Error(f"--reference {reference}: expected one of {', '.join(REFERENCES)}")
+    numpy_ops = None
+    if reference == "numpy-f64":
+        from backends.registry import get_backend
+        numpy_ops = get_backend("numpy").ops
     wanted = checked_ops() if ops is None else ops
     results, missing = [], []
     for op in wanted:
         if op in backend.ops:
-            results.append(check_op(backend, op, dtype, seed))
+            results.append(check_op(backend, op, dtype, seed, reference, numpy_ops))
         else:
             missing.append(op)
-    return CheckReport(backend.name, dtype, results, missing)
+    gaps = [r.op for r in results if r.reference != reference]
+    return CheckReport(backend.name, dtype, results, missing, reference, gaps)
 
 
 def format_report(rep: CheckReport) -> str:
-    lines = [f"check-ops: backend {rep.backend}, dtype {rep.dtype}; reference: torch eager in "
-             f"float64; tolerance atol {_tolerance(rep.dtype, rep.dtype)[0]:g}, "
+    lines = [f"check-ops: backend {rep.backend}, dtype {rep.dtype}; reference: "
+             f"{REFERENCES[rep.reference]} ({rep.reference}) on the rounded inputs; tolerance "
+             f"atol {_tolerance(rep.dtype, rep.dtype)[0]:g}, "
              f"rtol {_tolerance(rep.dtype, rep.dtype)[1]:g}",
-             f"{'op':<18}{'dtype':<7}{'max abs err':>13}{'max rel err':>13}  result"]
+             f"{'op':<18}{'dtype':<7}{'reference':<11}{'max abs err':>13}{'max rel err':>13}  result"]
     for r in rep.results:
         status = "pass" if r.passed else "FAIL" + (f"  ({r.error})" if r.error else "")
-        lines.append(f"{r.op:<18}{r.dtype:<7}{r.max_abs:>13.3e}{r.max_rel:>13.3e}  {status}")
+        if not r.reference_independent:
+            status += "  [reference not independent]"
+        lines.append(f"{r.op:<18}{r.dtype:<7}{r.reference:<11}{r.max_abs:>13.3e}"
+                     f"{r.max_rel:>13.3e}  {status}")
     lines.append(f"coverage: {rep.implemented}/{rep.total} ops implemented (COMM and MOE ops are "
                  "executed by the runtime, not by kernels)")
     if rep.missing:
         lines.append(f"not implemented: {', '.join(rep.missing)}")
+    if rep.reference_gaps:
+        lines.append(f"not in the {_LIBRARY[rep.reference]} backend, checked against torch-f64 "
+                     f"instead: {', '.join(rep.reference_gaps)}")
+    dependent = [r.op for r in rep.results if not r.reference_independent]
+    if dependent:
+        lines.append(f"reference computed by the {rep.backend} library itself (a check that "
+                     f"cannot fail on a shared bug): {', '.join(dependent)}")
+    if rep.results:
+        worst_abs = max(rep.results, key=lambda r: r.max_abs)
+        worst_rel = max(rep.results, key=lambda r: r.max_rel)
+        exact = sum(r.max_abs == 0 for r in rep.results)
+        lines.append(f"largest errors: abs {worst_abs.max_abs:.3e} ({worst_abs.op}), rel "
+                     f"{worst_rel.max_rel:.3e} ({worst_rel.op}); {exact} op(s) exact")
     failed = rep.failed
     lines.append(f"{len(failed)} op(s) failed: {', '.join(r.op for r in failed)}" if failed
                  else f"all {rep.implemented} implemented ops pass")
@@ -502,11 +590,14 @@ def format_report(rep: CheckReport) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="h2c check-ops", description="Op-level accuracy of a "
-                                 "backend against a float64 torch reference (exit 1 on a failure).")
+                                 "backend against a float64 reference computed by the other "
+                                 "backend's library (exit 1 on a failure).")
     ap.add_argument("--backend", choices=["torch", "numpy"], required=True)
     ap.add_argument("--dtype", choices=list(FLOAT_DTYPES), default="f32")
     ap.add_argument("--device", default=None, help="torch backend only: cpu (default), cuda, ...")
     ap.add_argument("--op", action="append", default=None, help="check only this op (repeatable)")
+    ap.add_argument("--reference", choices=list(REFERENCES), default=None,
+                    help="float64 reference (default: numpy-f64 for torch, torch-f64 for numpy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="machine-readable report")
     a = ap.parse_args(argv)
@@ -520,7 +611,7 @@ def main(argv: list[str]) -> int:
             raise H2Error(f"--op {', '.join(unknown)}: not a checked op of the h2ir op set "
                           f"(expected one of {', '.join(checked_ops())})")
     backend = get_backend(a.backend, **({"device": a.device} if a.device else {}))
-    rep = check_backend(backend, a.dtype, a.seed, a.op)
+    rep = check_backend(backend, a.dtype, a.seed, a.op, a.reference)
     if a.json:
         sys.stdout.write(json.dumps(rep.to_json(), indent=1) + "\n")
     else:

@@ -8,8 +8,8 @@ not long if-chains of names.
 Conventions
 - Inputs are values (tensors) or scalar literals; attributes are keyword literals.
 - Shapes follow NumPy broadcasting; dims may be negative (normalised by the rule).
-- Costs: `flops` counts multiply-adds as 2 FLOPs (matmul/attention use
-  torch.utils.flop_counter's formulas); elementwise ops count one FLOP per output element.
+- Costs: `flops` counts multiply-adds as 2 FLOPs (matmul 2*m*n*k; attention its matmuls, see
+  the cost rules); elementwise ops count one FLOP per output element.
   `bytes` is the data an op reads and writes (views move nothing).
 - `saves` names what the op's backward needs (inputs 'i0', 'i1', ... or outputs 'o0', ...):
   the activation-memory model sums these per layer. `bwd_factor` is backward FLOPs / forward FLOPs
@@ -299,24 +299,48 @@ def _zero(ins, outs, a):
     return 0
 
 
+# Matmul and attention FLOPs are h2ir's own formulas (a second copy of torch.utils.flop_counter's
+# would make the FlopCounterMode cross-check in tests/test_frontend.py compare a formula with
+# itself). An [m,k] @ [k,n] product does m*n*k multiply-adds: 2*m*n*k FLOPs (the standard count,
+# e.g. Kaplan et al. 2020, arXiv 2001.08361, Sec. 2.1: "2 N FLOPs per token" for N matmul params).
+
+def _matmul_flops(m: int, n: int, k: int, batch: int = 1) -> int:
+    return 2 * batch * m * n * k
+
+
 def _mm_flops(ins, outs, a):
-    from torch.utils.flop_counter import mm_flop
-    return int(mm_flop(ins[0].shape, ins[1].shape))
+    (m, k), (_, n) = ins[0].shape, ins[1].shape
+    return _matmul_flops(m, n, k)
 
 
 def _bmm_flops(ins, outs, a):
-    from torch.utils.flop_counter import bmm_flop
-    return int(bmm_flop(ins[0].shape, ins[1].shape))
+    (b, m, k), (_, _, n) = ins[0].shape, ins[1].shape
+    return _matmul_flops(m, n, k, b)
+
+
+def _attention_shapes(q, k, v):
+    """(b*h, s_q, s_k, d_qk, d_v) of attention over q [b,h,s_q,d], k [b,h,s_k,d], v [b,h,s_k,d_v]."""
+    *bh, s_q, d = q.shape
+    return math.prod(bh), s_q, k.shape[-2], d, v.shape[-1]
 
 
 def _attention_flops(ins, outs, a):
-    from torch.utils.flop_counter import sdpa_flop_count
-    return int(sdpa_flop_count(ins[0].shape, ins[1].shape, ins[2].shape))
+    """The two matmuls S = Q K^T and O = P V (FlashAttention-2, Dao 2023, arXiv 2307.08691,
+    Sec. 4.1: 4 * seqlen^2 * head_dim * heads per sequence). The softmax is not counted, and the
+    causal mask does not halve the count: dense, as torch's FlopCounterMode counts it."""
+    bh, s_q, s_k, d, d_v = _attention_shapes(*ins[:3])
+    return _matmul_flops(s_q, s_k, d, bh) + _matmul_flops(s_q, d_v, s_k, bh)
 
 
 def _attention_bwd_flops(ins, outs, a):
-    from torch.utils.flop_counter import sdpa_backward_flop_count
-    return int(sdpa_backward_flop_count(ins[0].shape, ins[1].shape, ins[2].shape, ins[3].shape))
+    """The five matmuls of the backward (FlashAttention-2, Alg. 2): S = Q K^T recomputed,
+    dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q — 2.5x the forward when d_v = d."""
+    bh, s_q, s_k, d, d_v = _attention_shapes(*ins[1:4])
+    return (_matmul_flops(s_q, s_k, d, bh)          # S = Q K^T
+            + _matmul_flops(s_k, d_v, s_q, bh)      # dV = P^T dO
+            + _matmul_flops(s_q, s_k, d_v, bh)      # dP = dO V^T
+            + _matmul_flops(s_q, d, s_k, bh)        # dQ = dS K
+            + _matmul_flops(s_k, d, s_q, bh))       # dK = dS^T Q
 
 
 def _softmax_flops(ins, outs, a):

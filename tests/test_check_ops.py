@@ -1,13 +1,16 @@
-"""`h2c check-ops`: every kernel of both backends agrees with the float64 reference, and the check
-catches kernels that do not."""
+"""`h2c check-ops`: every kernel of both backends agrees with a float64 reference computed by the
+other backend's library, and the check catches kernels that do not."""
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from backends import check_ops
 from backends.check_ops import SPECS, REFERENCE, check_backend, checked_ops, main
+from backends.numpy import ops as numpy_ops
 from backends.numpy.runtime import NumpyBackend
+from backends.torch import ops as torch_ops
 from backends.torch.runtime import TorchBackend
 from h2ir import opset
 from h2ir.errors import H2Error
@@ -20,6 +23,58 @@ def test_every_kernel_op_has_an_input_spec_and_a_reference():
     assert checked_ops() == KERNEL_OPS
     assert set(SPECS) == set(KERNEL_OPS)
     assert set(REFERENCE) == set(KERNEL_OPS)
+
+
+def test_both_op_libraries_implement_every_checked_op():
+    # so each backend's every op has a reference in the other library (no torch-f64 fallback)
+    assert set(KERNEL_OPS) <= set(numpy_ops.kernel_table())
+    assert set(KERNEL_OPS) <= set(torch_ops.kernel_table(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("backend,reference", [(TorchBackend, "numpy-f64"),
+                                               (NumpyBackend, "torch-f64")])
+def test_the_reference_is_the_other_library(backend, reference):
+    rep = check_backend(backend(), ops=["exp", "mm", "attention"])
+    assert rep.reference == reference and rep.reference_gaps == []
+    assert {(r.reference, r.reference_independent) for r in rep.results} == {(reference, True)}
+    assert f"({reference})" in check_ops.format_report(rep)
+
+
+def test_an_op_missing_from_the_reference_library_falls_back_and_says_so(monkeypatch):
+    import backends.registry
+    real = backends.registry.get_backend
+    monkeypatch.setattr(backends.registry, "get_backend", lambda name, **kw:
+                        _Broken(NumpyBackend(), gelu=None) if name == "numpy" else real(name, **kw))
+    rep = check_backend(TorchBackend(), ops=["gelu", "exp"])
+    by_op = {r.op: r for r in rep.results}
+    assert (by_op["gelu"].reference, by_op["gelu"].reference_independent) == ("torch-f64", False)
+    assert (by_op["exp"].reference, by_op["exp"].reference_independent) == ("numpy-f64", True)
+    assert rep.reference_gaps == ["gelu"] and not rep.failed
+    assert rep.to_json()["ops"][0]["reference_independent"] is False
+    text = check_ops.format_report(rep)
+    assert "checked against torch-f64 instead: gelu" in text and "[reference not independent]" in text
+
+
+# ops whose float results are rounded (not a copy, a selection or a comparison of their inputs)
+ROUNDING_OPS = ["exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "gelu", "reciprocal",
+                "sin", "cos", "pow", "add", "sub", "mul", "div", "sum", "mean", "mm", "bmm",
+                "attention", "softmax", "log_softmax", "nll_loss", "silu_bwd", "softmax_bwd",
+                "log_softmax_bwd", "attention_bwd", "embedding_bwd", "nll_loss_bwd"]
+
+
+def test_torch_errors_are_measured_against_an_independent_reference():
+    # f64 kernels against torch's own f64 ATen: identical code, so the error is exactly 0 (a check
+    # that cannot fail); against the numpy kernels most differ by round-off. (add/sub/mul/div,
+    # reciprocal and rsqrt are correctly rounded in both libraries: 0 is their right answer.)
+    ours = check_backend(TorchBackend(), "f64", ops=ROUNDING_OPS)
+    same = check_backend(TorchBackend(), "f64", ops=ROUNDING_OPS, reference="torch-f64")
+    assert not ours.failed and not same.failed
+    assert sum(r.max_abs > 0 for r in same.results) <= 1
+    assert sum(r.max_abs > 0 for r in ours.results) >= 20
+    assert all(not r.reference_independent for r in same.results)
+    # at f32 every rounding op shows its round-off (nll_loss_bwd's g / 28 is exact for this seed)
+    f32 = check_backend(TorchBackend(), "f32", ops=ROUNDING_OPS)
+    assert sum(r.max_abs > 0 for r in f32.results) >= len(ROUNDING_OPS) - 1
 
 
 def test_topk_inputs_have_no_ties_along_the_topk_dim():
@@ -49,11 +104,12 @@ def test_torch_passes_at_bf16_with_bf16_sized_errors():
 
 
 class _Broken:
-    """A backend whose kernels we can break one at a time."""
+    """A backend (numpy unless given) whose kernels we can break one at a time; it keeps the
+    wrapped backend's name, so its reference is still the other library."""
 
-    def __init__(self, **overrides):
-        self._inner = NumpyBackend()
-        self.name, self.dtypes = "broken", self._inner.dtypes
+    def __init__(self, inner=None, **overrides):
+        self._inner = NumpyBackend() if inner is None else inner
+        self.name, self.dtypes = self._inner.name, self._inner.dtypes
         self.ops = {**self._inner.ops, **overrides}
         for n in [n for n, v in overrides.items() if v is None]:
             del self.ops[n]
@@ -101,8 +157,75 @@ def test_main_json_report(capsys):
     assert out["backend"] == "numpy" and out["dtype"] == "f32"
     assert out["coverage"] == {"implemented": 2, "total": 2}
     assert [o["op"] for o in out["ops"]] == ["mm", "attention"]
-    assert set(out["ops"][0]) == {"op", "dtype", "max_abs", "max_rel", "pass"}
+    assert set(out["ops"][0]) == {"op", "dtype", "max_abs", "max_rel", "pass", "reference",
+                                  "reference_independent"}
     assert all(o["pass"] is True for o in out["ops"])
+    assert out["reference"] == "torch-f64" and out["reference_gaps"] == []
+    assert {(o["reference"], o["reference_independent"]) for o in out["ops"]} == {("torch-f64", True)}
+
+
+# Kernels broken on purpose, per backend: each wraps the backend's own kernel (`k`) with a bug of
+# the kind that ships — a small relative error, the wrong axis, a transposed layout, a lost mask.
+def _torch_mutants(k):
+    def add(a, b):
+        return k["add"](a, b) * (1 + 1e-3)
+
+    def softmax(x, dim):
+        return k["softmax"](x, (dim + 1) % x.dim())              # the other axis
+
+    def bmm(a, b):
+        out = k["bmm"](a, b)
+        return out.transpose(1, 2).reshape(out.shape)            # right shape, wrong layout
+
+    def rsqrt(x):
+        return torch.sqrt(x)
+
+    def attention_bwd(*args, **attrs):
+        dq, dk, dv = k["attention_bwd"](*args, **attrs)
+        return dq, dv, dk                                        # dk and dv swapped
+    return {"add": add, "softmax": softmax, "bmm": bmm, "rsqrt": rsqrt,
+            "attention_bwd": attention_bwd}
+
+
+def _numpy_mutants(k):
+    def add(a, b):
+        return k["add"](a, b) * np.float32(1 + 1e-3)
+
+    def softmax(x, dim):
+        return k["softmax"](x, dim) * np.float32(1 + 1e-3)       # slightly off normalisation
+
+    def mm(a, b):
+        out = k["mm"](a, b)
+        return out.T.reshape(out.shape)
+
+    def rsqrt(x):
+        return np.sqrt(x)
+
+    def attention(q, k_, v, causal=False, scale=None):
+        return k["attention"](q, k_, v, False, scale)            # the causal mask ignored
+    return {"add": add, "softmax": softmax, "mm": mm, "rsqrt": rsqrt, "attention": attention}
+
+
+@pytest.mark.parametrize("backend,mutants", [(TorchBackend, _torch_mutants),
+                                             (NumpyBackend, _numpy_mutants)])
+def test_broken_kernels_fail_exactly_their_ops(backend, mutants, monkeypatch, capsys):
+    inner = backend()
+    broken_ops = mutants(inner.ops)
+    broken = _Broken(inner, **broken_ops)
+    rep = check_backend(broken)
+    assert (rep.implemented, rep.missing) == (len(KERNEL_OPS), [])
+    assert sorted(r.op for r in rep.failed) == sorted(broken_ops)
+    assert all(r.error is None for r in rep.failed)          # wrong numbers, not a crash
+    assert all(r.reference_independent for r in rep.results)
+    # through the command line: exit code 1, the broken ops named
+    import backends.registry
+    real = backends.registry.get_backend
+    monkeypatch.setattr(backends.registry, "get_backend", lambda name, **kw:
+                        broken if name == inner.name else real(name, **kw))
+    args = ["--backend", inner.name] + [a for op in broken_ops for a in ("--op", op)]
+    assert main(args + ["--op", "exp"]) == 1
+    assert f"{len(broken_ops)} op(s) failed: {', '.join(broken_ops)}" in capsys.readouterr().out
+    assert main(["--backend", inner.name, "--op", "exp", "--op", "log"]) == 0
 
 
 def test_main_table_and_exit_code_1_on_a_failure(monkeypatch, capsys):

@@ -19,7 +19,20 @@ def _matmul_flops(layer):
     return total
 
 
-def test_flops_agree_with_torch_flop_counter():
+def _llama_tiny_closed_form(model, batch, seq):
+    """Forward matmul FLOPs of examples/llama_tiny.py from its config alone: every weight of a
+    linear layer does one multiply-add per token (2 * tokens * params), and causal attention
+    (counted dense) adds S = Q K^T and O = P V, 2 * batch * seq^2 * dim FLOPs each."""
+    dim, ffn = model.embed.embedding_dim, model.layers[0].ffn.w1.out_features
+    vocab, tokens = model.head.out_features, batch * seq
+    block_matmul_params = 4 * dim * dim + 3 * dim * ffn        # wq wk wv wo; w1 w3 w2
+    assert block_matmul_params == sum(m.weight.numel() for m in model.layers[0].modules()
+                                      if isinstance(m, torch.nn.Linear))
+    block = 2 * tokens * block_matmul_params + 2 * (2 * batch * seq * seq * dim)
+    return block, 2 * tokens * dim * vocab
+
+
+def test_flops_agree_with_torch_flop_counter_and_the_closed_form():
     mf = load_model_file(str(ROOT / "examples/llama_tiny.py"))
     with torch.device("meta"):
         model = mf.build({"n_layers": 2})
@@ -28,10 +41,35 @@ def test_flops_agree_with_torch_flop_counter():
         model(tokens)
     counts = fcm.get_flop_counts()
     g = capture(str(ROOT / "examples/llama_tiny.py"), {"n_layers": 2}, 2, 32, model=model)
+    block, head = _llama_tiny_closed_form(model, 2, 32)
+    # d=256, ffn=688, vocab=8192, 64 tokens: written out, so a changed model file shows up here
+    assert (block, head) == (103_284_736, 268_435_456)
     for i in range(2):
         assert _matmul_flops(g.layer(f"block.{i}")) == sum(counts[f"Llama.layers.{i}"].values())
-    assert _matmul_flops(g.layer("head")) == sum(counts["Llama.head"].values())
-    assert sum(_matmul_flops(l) for l in g.layers) == fcm.get_total_flops()
+        assert _matmul_flops(g.layer(f"block.{i}")) == block
+    assert _matmul_flops(g.layer("head")) == sum(counts["Llama.head"].values()) == head
+    assert sum(_matmul_flops(l) for l in g.layers) == fcm.get_total_flops() == 2 * block + head
+
+
+def test_attention_backward_flops_are_flashattention2s_five_matmuls():
+    from h2ir import opset
+    from h2ir.types import TensorType
+    b, h, s, d = 2, 4, 64, 32
+    q, k, v = (torch.zeros(b, h, s, d, device="meta", requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as fwd:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with FlopCounterMode(display=False) as bwd:
+        out.backward(torch.zeros_like(out))
+    t = TensorType("f32", (b, h, s, d))
+    lse = TensorType("f32", (b, h, s))
+    ours_fwd = opset.get("attention").flops([t, t, t], [t, lse], {})
+    ours_bwd = opset.get("attention_bwd").flops([t, t, t, t, t, lse], [t, t, t], {})
+    qk = 2 * b * h * s * s * d                     # one [s,d] @ [d,s] product per head
+    assert ours_fwd == fwd.get_total_flops() == 2 * qk
+    # torch's math backward on meta keeps P (dV, dP, dQ, dK: four matmuls); FlashAttention-2
+    # recomputes S = Q K^T from the logsumexp first: five, 2.5x the forward (Dao 2023, Sec. 4.1)
+    assert bwd.get_total_flops() == 4 * qk
+    assert ours_bwd == 5 * qk == 2.5 * ours_fwd
 
 
 def test_layers_of_tiny_model(tiny_graph):
