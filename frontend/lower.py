@@ -17,13 +17,12 @@ import torch.fx
 
 from h2ir.errors import H2Error
 from h2ir.graph import Graph, Layer, Node, Value, infer_types
-from h2ir.types import TensorType
+from h2ir.types import DTYPE_TABLE, FLOAT_DTYPES, TensorType
 
 aten = torch.ops.aten
 
-TORCH_DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
-                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.int8: "i8",
-                torch.uint8: "u8", torch.bool: "bool"}
+# torch dtype -> h2ir dtype name (from the one dtype table)
+TORCH_DTYPES = {getattr(torch, d.torch): n for n, d in DTYPE_TABLE.items()}
 
 
 def h2_dtype(dt: torch.dtype) -> str:
@@ -142,6 +141,12 @@ def _to_copy(em, x, dtype=None, **kwargs):
     if dtype is None or h2_dtype(dtype) == x.type.dtype:
         return x
     return em("cast", x, dtype=h2_dtype(dtype))
+
+
+def _type_as(em, x, other):
+    # a float `other` gives its dtype; any other gives f32 (as this lowering always has)
+    want = other.type.dtype if other.type.dtype in FLOAT_DTYPES else "f32"
+    return x if want == x.type.dtype else em("cast", x, dtype=want)
 
 
 def _reduce(op):
@@ -293,9 +298,7 @@ ATEN: dict = {
     aten.to.dtype_layout: lambda em, x, *a, dtype=None, **k: _to_copy(em, x, dtype),
     aten.to.device: lambda em, x, device, dtype=None, *a, **k: _to_copy(em, x, dtype),
     aten.__and__.Tensor: _binary("logical_and"), aten.__or__.Tensor: _binary("logical_or"),
-    aten.type_as.default: lambda em, x, other: _to_copy(em, x, getattr(torch, {
-        "f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}.get(
-        other.type.dtype, "float32"))),
+    aten.type_as.default: _type_as,
     aten.add.Tensor: _binary("add"), aten.add.Scalar: _binary("add"),
     aten.sub.Tensor: _binary("sub"), aten.sub.Scalar: _binary("sub"),
     aten.rsub.Scalar: _binary("sub", swap=True), aten.rsub.Tensor: _binary("sub", swap=True),
@@ -405,108 +408,138 @@ def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict,
     to layers in graph order (a new layer starts when the name changes). `prefix` is put before
     the names of computed values (so programs lowered separately can be joined).
     """
-    g = Graph(name=name, attrs=dict(attrs or {}))
     gm.graph.eliminate_dead_code()
-    env: dict[str, object] = {}
-    used_names: set[str] = set()
-
-    def namer(hint: str) -> str:
-        base = re.sub(r"[^A-Za-z0-9_.]", "_", hint)
-        n, i = base, 1
-        while n in used_names:
-            n = f"{base}_{i}"
-            i += 1
-        used_names.add(n)
-        return n
-
-    param_owner: dict[str, str] = {}
-    layers: dict[str, Layer] = {}
-    em = Emitter(namer)
-
+    low = _Lowering(gm, Graph(name=name, attrs=dict(attrs or {})), inputs, params, consts,
+                    layer_of, file, prefix)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            val = node.meta.get("val")
-            if val is None and node.op == "get_attr":
-                val = getattr(gm, node.target)
-            key = node.name if node.op == "placeholder" else node.target
-            if key in params:
-                v = Value(namer(params[key]), tensor_type(val))
-                env[node.name] = v
-            elif key in consts:
-                v = Value(namer(consts[key]), tensor_type(val))
-                g.consts.append(v)
-                env[node.name] = v
-            elif key in inputs:
-                same = [x for x in g.inputs if x.name == inputs[key]]
-                if same:                      # one value passed twice (e.g. saved twice)
-                    env[node.name] = same[0]
-                    continue
-                v = Value(namer(inputs[key]), tensor_type(val))
-                g.inputs.append(v)
-                env[node.name] = v
-            elif val is not None and val.numel() == 1 and node.op == "get_attr":
-                env[node.name] = val.item()     # a lifted scalar constant
-            else:
-                raise H2Error(f"graph input {key!r} is neither a model input, a parameter nor a buffer",
-                              file)
-            continue
-        if node.op == "output":
-            outs = node.args[0]
-            outs = outs if isinstance(outs, (list, tuple)) else [outs]
-            for o in outs:
-                if o is None:
-                    continue
-                v = env[o.name]
-                if not isinstance(v, Value):
-                    raise H2Error(f"graph output {o.name} is not a tensor", file)
-                g.outputs.append(v)
-            continue
-        if node.op != "call_function":
+            low.graph_input(node)
+        elif node.op == "output":
+            low.graph_outputs(node)
+        elif node.op == "call_function":
+            low.call_function(node)
+        else:
             raise H2Error(f"unexpected fx node {node.op} {node.target} (lower to ATen first)", file)
+    return low.g
 
-        args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+
+class _Lowering:
+    """The state of one `lower_fx` run, with one step per fx opcode (as torch.fx.Interpreter):
+    `env` maps fx node names to h2ir values (or Python scalars and tuples of values)."""
+
+    def __init__(self, gm, g: Graph, inputs: dict, params: dict, consts: dict, layer_of,
+                 file: str | None, prefix: str):
+        self.gm, self.g = gm, g
+        self.inputs, self.params, self.consts = inputs, params, consts
+        self.layer_of, self.file, self.prefix = layer_of, file, prefix
+        self.env: dict[str, object] = {}
+        self.used_names: set[str] = set()
+        self.param_owner: dict[str, str] = {}        # parameter value name -> its layer
+        self.layers: dict[str, Layer] = {}
+        self.em = Emitter(self.namer)
+
+    def namer(self, hint: str) -> str:
+        """A value name from `hint`, made unique within the graph."""
+        base = re.sub(r"[^A-Za-z0-9_.]", "_", hint)
+        n, i = base, 1
+        while n in self.used_names:
+            n = f"{base}_{i}"
+            i += 1
+        self.used_names.add(n)
+        return n
+
+    def graph_input(self, node: torch.fx.Node) -> None:
+        """A placeholder or get_attr: a parameter, constant, model input or lifted scalar."""
+        val = node.meta.get("val")
+        if val is None and node.op == "get_attr":
+            val = getattr(self.gm, node.target)
+        key = node.name if node.op == "placeholder" else node.target
+        if key in self.params:
+            self.env[node.name] = Value(self.namer(self.params[key]), tensor_type(val))
+        elif key in self.consts:
+            v = Value(self.namer(self.consts[key]), tensor_type(val))
+            self.g.consts.append(v)
+            self.env[node.name] = v
+        elif key in self.inputs:
+            same = [x for x in self.g.inputs if x.name == self.inputs[key]]
+            if same:                      # one value passed twice (e.g. saved twice)
+                self.env[node.name] = same[0]
+                return
+            v = Value(self.namer(self.inputs[key]), tensor_type(val))
+            self.g.inputs.append(v)
+            self.env[node.name] = v
+        elif val is not None and val.numel() == 1 and node.op == "get_attr":
+            self.env[node.name] = val.item()     # a lifted scalar constant
+        else:
+            raise H2Error(f"graph input {key!r} is neither a model input, a parameter nor a buffer",
+                          self.file)
+
+    def graph_outputs(self, node: torch.fx.Node) -> None:
+        outs = node.args[0]
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        for o in outs:
+            if o is None:
+                continue
+            v = self.env[o.name]
+            if not isinstance(v, Value):
+                raise H2Error(f"graph output {o.name} is not a tensor", self.file)
+            self.g.outputs.append(v)
+
+    def call_function(self, node: torch.fx.Node) -> None:
+        """One ATen call: its layer claims the parameters it reads, then ATEN emits its nodes."""
+        args = torch.fx.node.map_arg(node.args, lambda n: self.env[n.name])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n.name])
         if node.target is operator.getitem:
-            env[node.name] = args[0][args[1]]
-            continue
-        lname, kind, lattrs = layer_of(node)
-        if lname not in layers:
-            layers[lname] = Layer(lname, kind, dict(lattrs))
-            g.layers.append(layers[lname])
-        layer = layers[lname]
-        # parameters join the layer of their first use
+            self.env[node.name] = args[0][args[1]]
+            return
+        layer = self.layer_for(node)
+        self.claim_params(node, layer)
+        fn = self.lowering_of(node)
+        self.em.hint = self.prefix + node.name
+        self.em.nodes = layer.nodes
+        try:
+            if getattr(fn, "wants_out", False):
+                res = fn(self.em, *args, _out=node.meta["val"], **kwargs)
+            else:
+                res = fn(self.em, *args, **kwargs)
+        except Unsupported as e:
+            src = source_info(node)
+            raise H2Error(f"cannot lower {op_name(node.target)} (from module '{src.module}'): {e}",
+                          self.file, hint=f"at {src.line}" if src.line else None) from None
+        _check_against_trace(node, res, self.file)
+        self.env[node.name] = res
+
+    def layer_for(self, node: torch.fx.Node) -> Layer:
+        lname, kind, lattrs = self.layer_of(node)
+        if lname not in self.layers:
+            self.layers[lname] = Layer(lname, kind, dict(lattrs))
+            self.g.layers.append(self.layers[lname])
+        return self.layers[lname]
+
+    def claim_params(self, node: torch.fx.Node, layer: Layer) -> None:
+        """Parameters join the layer of their first use; a second layer using one is an error."""
         for a in node.all_input_nodes:
-            v = env.get(a.name)
+            v = self.env.get(a.name)
             key = a.name if a.op == "placeholder" else a.target
-            if key in params and isinstance(v, Value):
-                owner = param_owner.setdefault(v.name, lname)
-                if owner == lname and v not in layer.params:
+            if key in self.params and isinstance(v, Value):
+                owner = self.param_owner.setdefault(v.name, layer.name)
+                if owner == layer.name and v not in layer.params:
                     layer.params.append(v)
-                elif owner != lname:
-                    raise H2Error(f"parameter {params[key]} is used by layers {owner} and {lname} "
-                                  "(tied weights across layers are not supported yet)", file)
+                elif owner != layer.name:
+                    raise H2Error(f"parameter {self.params[key]} is used by layers {owner} and "
+                                  f"{layer.name} (tied weights across layers are not supported "
+                                  "yet)", self.file)
+
+    def lowering_of(self, node: torch.fx.Node) -> Callable:
         fn = ATEN.get(node.target)
         if fn is None:
             src = source_info(node)
             raise H2Error(
                 f"op {op_name(node.target)} (from module '{src.module}') is not in the h2ir op set",
-                file, hint=(f"at {src.line}\n  " if src.line else "") +
+                self.file, hint=(f"at {src.line}\n  " if src.line else "") +
                 "add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) "
                 "or rewrite the model with supported ops")
-        em.hint = prefix + node.name
-        em.nodes = layer.nodes
-        try:
-            if getattr(fn, "wants_out", False):
-                res = fn(em, *args, _out=node.meta["val"], **kwargs)
-            else:
-                res = fn(em, *args, **kwargs)
-        except Unsupported as e:
-            src = source_info(node)
-            raise H2Error(f"cannot lower {op_name(node.target)} (from module '{src.module}'): {e}",
-                          file, hint=f"at {src.line}" if src.line else None) from None
-        _check_against_trace(node, res, file)
-        env[node.name] = res
-    return g
+        return fn
 
 
 def _check_against_trace(node, res, file):

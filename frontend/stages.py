@@ -23,7 +23,7 @@ from functorch.compile import aot_function, make_boxed_func
 from frontend.capture import Capture
 from frontend.lower import lower_fx, tensor_type
 from h2ir.errors import H2Error
-from h2ir.graph import Graph
+from h2ir.graph import Graph, Layer, Node, Value
 
 
 @dataclass
@@ -287,111 +287,136 @@ def _lower_layer(cap: Capture, u: _Unit, t: _Traced, tag: str) -> _LayerProgram:
 
 def _compose(name: str, s: int, unit_progs: list[_LayerProgram], stage_ins: list, stage_outs: list,
              passthrough: list, in_types: dict, last: bool) -> tuple[Graph, Graph, dict]:
-    from h2ir.graph import Layer, Node, Value
+    """Join stage `s`'s layer programs into its forward and backward programs, and what the
+    StageProgram says about them (saved values, tangents, input gradients, params, consts)."""
+    fwd, env, saved = _join_forward(f"{name}.stage{s}.fwd", s, unit_progs,
+                                    stage_ins + (["targets"] if last else []), in_types)
+    computed_outs = ["loss"] if last else [k for k in stage_outs if k not in passthrough]
+    fwd.outputs = [env[k] for k in computed_outs] + [env[k] for k in saved]
+    bwd, grad, stage_tangents = _join_backward(f"{name}.stage{s}.bwd", s, unit_progs, env, saved,
+                                               computed_outs)
+    param_names = [p.name for l in fwd.layers for p in l.params]
+    input_grads = [k for k in stage_ins if k in grad] + [k for k in param_names if k in grad]
+    _set_input_grad_outputs(bwd, grad, input_grads)
+    info = {"saved": saved, "tangents": ["loss"] if last else stage_tangents,
+            "input_grads": input_grads, "params": param_names,
+            "consts": [c.name for c in fwd.consts],
+            "output_types": {k: str(env[k].type) for k in computed_outs}}
+    return fwd, bwd, info
 
-    # forward: layers in order; boundary values are shared by name
-    fwd = Graph(name=f"{name}.stage{s}.fwd", attrs={"stage": s})
+
+def _join_forward(gname: str, s: int, unit_progs: list[_LayerProgram], inputs: list,
+                  in_types: dict) -> tuple[Graph, dict, list]:
+    """The forward: layers in order; boundary values are shared by name. Returns the graph (its
+    outputs not set yet), name -> value of everything it defines, and the names the layers save
+    for the backward."""
+    fwd = Graph(name=gname, attrs={"stage": s})
     env: dict[str, Value] = {}
-    for k in stage_ins + (["targets"] if last else []):
+    for k in inputs:
         v = Value(k, in_types[k])
         fwd.inputs.append(v)
         env[k] = v
     saved: list[str] = []
     for lp in unit_progs:
-        g = lp.fwd
-        for c in g.consts:
-            if c.name not in env:
-                fwd.consts.append(c)
-                env[c.name] = c
-        for v in g.inputs:
-            if v.name not in env:
-                raise H2Error(f"internal: stage {s} input %{v.name} of layer "
-                              f"{g.layers[0].name if g.layers else '?'} is not defined")
-        layer = Layer(g.layers[0].name if g.layers else lp.out_names[0], "program")
-        for gl in g.layers:
-            layer.params += gl.params
-            for p in gl.params:
-                env[p.name] = p
-            for n in gl.nodes:
-                n.inputs = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]
-                layer.nodes.append(n)
-                for o in n.outputs:
-                    env[o.name] = o
-        fwd.layers.append(layer)
-        for v in g.outputs:          # outputs of an identity layer may be its inputs
-            env.setdefault(v.name, v)
+        fwd.layers.append(_join_forward_layer(fwd, s, lp, env))
         for k in lp.saved:
             if k not in saved:
                 saved.append(k)
-    computed_outs = ["loss"] if last else [k for k in stage_outs if k not in passthrough]
-    fwd.outputs = [env[k] for k in computed_outs] + [env[k] for k in saved]
+    return fwd, env, saved
 
-    # backward: layers in reverse; gradients of values used by several layers are summed
-    bwd = Graph(name=f"{name}.stage{s}.bwd", attrs={"stage": s})
+
+def _join_forward_layer(fwd: Graph, s: int, lp: _LayerProgram, env: dict) -> Layer:
+    """One layer's forward as a layer of the stage's: its inputs rewired to the values already in
+    `env`, its consts added to `fwd`, what it defines added to `env`."""
+    g = lp.fwd
+    for c in g.consts:
+        if c.name not in env:
+            fwd.consts.append(c)
+            env[c.name] = c
+    for v in g.inputs:
+        if v.name not in env:
+            raise H2Error(f"internal: stage {s} input %{v.name} of layer "
+                          f"{g.layers[0].name if g.layers else '?'} is not defined")
+    layer = Layer(g.layers[0].name if g.layers else lp.out_names[0], "program")
+    for gl in g.layers:
+        layer.params += gl.params
+        for p in gl.params:
+            env[p.name] = p
+        for n in gl.nodes:
+            n.inputs = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]
+            layer.nodes.append(n)
+            for o in n.outputs:
+                env[o.name] = o
+    for v in g.outputs:          # outputs of an identity layer may be its inputs
+        env.setdefault(v.name, v)
+    return layer
+
+
+def _join_backward(gname: str, s: int, unit_progs: list[_LayerProgram], env: dict, saved: list,
+                   computed_outs: list) -> tuple[Graph, dict, list]:
+    """The backward: layers in reverse; gradients of values used by several layers are summed.
+    Returns the graph (its outputs not set yet), name -> gradient value, and the stage's tangents
+    (the outputs whose gradient it takes)."""
+    bwd = Graph(name=gname, attrs={"stage": s})
     benv: dict[str, Value] = {}
     for k in saved:
         v = Value(k, env[k].type)
         bwd.inputs.append(v)
         benv[k] = v
     grad: dict[str, Value] = {}
+    producer = {k: lp for lp in unit_progs for k in lp.out_names}
     stage_tangents = []
-    producer_layer = {}
-    for lp in unit_progs:
-        for k in lp.out_names:
-            producer_layer[k] = lp
     for k in computed_outs:
-        lp = producer_layer[k]
-        if k in lp.tangents:
+        if k in producer[k].tangents:
             v = Value(f"grad.{k}", env[k].type)
             bwd.inputs.append(v)
             grad[k] = v
             stage_tangents.append(k)
-    layers_rev = []
-    for lp in reversed(unit_progs):
-        if lp.bwd is None:
-            continue
-        g = lp.bwd
-        layer = Layer(g.layers[0].name if g.layers else "?", "program")
-        local: dict[str, Value] = {}
-        extra = []
-        for v in g.inputs:
-            if v.name.startswith("grad."):
-                k = v.name[5:]
-                if k not in grad:   # no gradient flows into it downstream: zeros
-                    z = Value(f"{v.name}.zero", v.type)
-                    extra.append(Node("full", [], {"shape": list(v.type.shape), "value": 0.0,
-                                                   "dtype": v.type.dtype}, [z]))
-                    grad[k] = z
-                local[v.name] = grad[k]
-            else:
-                local[v.name] = benv[v.name]
-        layer.nodes += extra
-        for gl in g.layers:
-            for n in gl.nodes:
-                n.inputs = [local.get(v.name, v) if isinstance(v, Value) else v for v in n.inputs]
-                layer.nodes.append(n)
-        for k, v in zip(lp.grads, g.outputs):
-            v = local.get(v.name, v)
-            if k in grad:           # a value read by several layers: sum its gradients
-                acc = Value(f"{layer.name}.acc.{k}", v.type)
-                layer.nodes.append(Node("add", [grad[k], v], {}, [acc]))
-                grad[k] = acc
-            else:
-                grad[k] = v
-        layers_rev.append(layer)
-    bwd.layers = layers_rev
-    param_names = [p.name for l in fwd.layers for p in l.params]
-    input_grads = [k for k in stage_ins if k in grad] + [k for k in param_names if k in grad]
+    bwd.layers = [_join_backward_layer(lp, benv, grad) for lp in reversed(unit_progs)
+                  if lp.bwd is not None]
+    return bwd, grad, stage_tangents
+
+
+def _join_backward_layer(lp: _LayerProgram, benv: dict, grad: dict) -> Layer:
+    """One layer's backward as a layer of the stage's. It reads the saved values (`benv`) and the
+    gradients flowing in so far (`grad`), and adds its own to `grad`."""
+    g = lp.bwd
+    layer = Layer(g.layers[0].name if g.layers else "?", "program")
+    local: dict[str, Value] = {}
+    for v in g.inputs:
+        if v.name.startswith("grad."):
+            k = v.name[5:]
+            if k not in grad:   # no gradient flows into it downstream: zeros
+                z = Value(f"{v.name}.zero", v.type)
+                layer.nodes.append(Node("full", [], {"shape": list(v.type.shape), "value": 0.0,
+                                                     "dtype": v.type.dtype}, [z]))
+                grad[k] = z
+            local[v.name] = grad[k]
+        else:
+            local[v.name] = benv[v.name]
+    for gl in g.layers:
+        for n in gl.nodes:
+            n.inputs = [local.get(v.name, v) if isinstance(v, Value) else v for v in n.inputs]
+            layer.nodes.append(n)
+    for k, v in zip(lp.grads, g.outputs):
+        v = local.get(v.name, v)
+        if k in grad:           # a value read by several layers: sum its gradients
+            acc = Value(f"{layer.name}.acc.{k}", v.type)
+            layer.nodes.append(Node("add", [grad[k], v], {}, [acc]))
+            grad[k] = acc
+        else:
+            grad[k] = v
+    return layer
+
+
+def _set_input_grad_outputs(bwd: Graph, grad: dict, input_grads: list) -> None:
+    """The backward returns the gradients of `input_grads`, each named grad.<name> unless it is
+    one of its inputs."""
     bwd.outputs = [grad[k] for k in input_grads]
     for k, v in zip(input_grads, bwd.outputs):
         if not any(x is v for x in bwd.inputs) and not v.name.startswith("grad."):
             v.name = f"grad.{k}"
     _unique_names(bwd)
-    info = {"saved": saved, "tangents": ["loss"] if last else stage_tangents,
-            "input_grads": input_grads, "params": param_names,
-            "consts": [c.name for c in fwd.consts],
-            "output_types": {k: str(env[k].type) for k in computed_outs}}
-    return fwd, bwd, info
 
 
 def _unique_names(g: Graph):

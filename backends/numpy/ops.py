@@ -17,9 +17,12 @@ from functools import wraps
 
 import numpy as np
 
-# h2ir dtype name -> NumPy dtype (the numpy backend computes in none of bf16/f16: see runtime.py)
-NP_DTYPE = {"f64": np.float64, "f32": np.float32, "i64": np.int64, "i32": np.int32, "i8": np.int8,
-            "u8": np.uint8, "bool": np.bool_}
+from h2ir.types import host_dtype
+
+# The h2ir dtypes the numpy backend computes in: none of bf16/f16 (see runtime.py).
+NP_DTYPES = ("f64", "f32", "i64", "i32", "i8", "u8", "bool")
+# h2ir dtype name -> NumPy dtype (from the one dtype table)
+NP_DTYPE = {n: host_dtype(n) for n in NP_DTYPES}
 
 
 def _dims(dims, rank: int) -> tuple[int, ...]:

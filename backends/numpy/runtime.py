@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.numpy.ops import NP_DTYPE, kernel_table
+from backends.numpy.ops import NP_DTYPE, NP_DTYPES, kernel_table
 
-_H2_DTYPE = {np.dtype(v): k for k, v in NP_DTYPE.items()}
+_H2_DTYPE = {dt: name for name, dt in NP_DTYPE.items()}
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -21,7 +21,7 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 class NumpyBackend:
     name = "numpy"
-    dtypes = set(NP_DTYPE)
+    dtypes = set(NP_DTYPES)
 
     def __init__(self):
         self.ops = kernel_table()
@@ -37,7 +37,7 @@ class NumpyBackend:
             return bf16_bits_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
         if dtype == "f16":
             return a.astype(np.float32)
-        want = np.dtype(NP_DTYPE[dtype])
+        want = NP_DTYPE[dtype]
         if a.dtype == want and a.flags.writeable:
             return a
         return np.array(a, dtype=want)          # writeable: AdamW updates parameters in place

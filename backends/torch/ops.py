@@ -19,12 +19,12 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from h2ir.types import DTYPE_TABLE
+
 aten = torch.ops.aten
 
-# h2ir dtype name <-> torch dtype
-TORCH_DTYPE = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16,
-               "bf16": torch.bfloat16, "i64": torch.int64, "i32": torch.int32, "i8": torch.int8,
-               "u8": torch.uint8, "bool": torch.bool}
+# h2ir dtype name <-> torch dtype (from the one dtype table)
+TORCH_DTYPE = {n: getattr(torch, d.torch) for n, d in DTYPE_TABLE.items()}
 H2_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
 
 # nll_loss reduction names -> ATen's enum (at::Reduction)

@@ -13,10 +13,7 @@ import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from backends.torch.ops import DTYPE_POLICIES, H2_DTYPE, TORCH_DTYPE, kernel_table
-
-# numpy dtype of each h2ir dtype as it crosses the host boundary (bf16 travels as uint16 bits)
-HOST_DTYPE = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": np.uint16,
-              "i64": np.int64, "i32": np.int32, "i8": np.int8, "u8": np.uint8, "bool": np.bool_}
+from h2ir.types import host_dtype
 
 
 class TorchBackend:
@@ -39,7 +36,7 @@ class TorchBackend:
         """Host array -> tensor of h2ir `dtype`; on CPU it shares the array's memory when the array
         already has that dtype and is writeable (AdamW updates parameters in place)."""
         a = np.asarray(a)
-        want = HOST_DTYPE[dtype]
+        want = host_dtype(dtype)                  # bf16 crosses the host boundary as uint16 bits
         if dtype == "bf16" and a.dtype != np.uint16:
             # a float array asked to become bf16: round through torch (numpy has no bf16)
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(

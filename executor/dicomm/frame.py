@@ -33,6 +33,7 @@ import numpy as np
 
 from executor.dicomm.checksum import checksum
 from executor.dicomm.errors import CommError
+from h2ir.types import host_dtype
 
 FORMAT_VERSION = 1
 MAGIC = b"h2"
@@ -44,16 +45,10 @@ MAX_HEADER_BYTES = 64 * 1024          # a header is ~100 bytes; anything bigger 
 MAX_PAYLOAD_BYTES = 1 << 40           # refuse to allocate more than 1 TiB because a header said so
 MAX_KIND_CHARS = 256          # kinds are tags like "act:<tensor name>"
 
-# h2ir dtype name -> numpy dtype of the bytes on the wire
-DTYPES: dict[str, np.dtype] = {
-    "f32": np.dtype("<f4"),
-    "f64": np.dtype("<f8"),
-    "f16": np.dtype("<f2"),
-    "bf16": np.dtype("<u2"),
-    "i64": np.dtype("<i8"),
-    "i32": np.dtype("<i4"),
-    "bool": np.dtype("?"),
-}
+# The h2ir dtypes a frame may carry, and the numpy dtype of their bytes on the wire (from the one
+# dtype table; this order is the order error messages list them in).
+WIRE_DTYPES = ("f32", "f64", "f16", "bf16", "i64", "i32", "bool")
+DTYPES: dict[str, np.dtype] = {name: host_dtype(name) for name in WIRE_DTYPES}
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 
 
