@@ -28,5 +28,8 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
+docs: $(STAMP)
+	$(VPY) tools/gen_docs.py
+
 clean:
 	rm -rf build B .pytest_cache
