@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2ir.errors import H2Error
+from h2ir.errors import H2Error, read_user_file
 from h2ir.schedule.streams import parse_stream
 from h2ir.text import load_graph
 
@@ -62,10 +62,7 @@ class BuildDir:
     def stream(self, worker: int):
         w = self.workers[worker]
         p = self.path / w["stream"]
-        try:
-            return parse_stream(p.read_text())
-        except ValueError as e:
-            raise H2Error(str(e), str(p)) from None
+        return parse_stream(read_user_file(p, "instruction stream"), file=str(p))
 
     def model_costs(self):
         g = load_graph(str(self.path / "model.h2ir"))

@@ -20,10 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from backends.calibrate import ensure_calibration
+from backends.registry import measured_backends
+from executor import dicomm
 from executor.build import BuildDir
 from executor.checkpoint import latest_complete, mark_complete
 from executor.worker import STATUS_FIELDS
+from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import H2Error
+from h2ir.planner.simulate import SimResult, simulate_build
+from h2ir.plans.dsl import load_plan
+from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 HANG_AFTER_S = 5.0          # no heartbeat for this long: the worker is hung (stopped, deadlocked)
 
@@ -69,50 +76,59 @@ def _kill_all(procs):
             pass
 
 
-def predicted_step_time(build: BuildDir):
-    """The planner's prediction for this build (resource model + local calibration)."""
-    from backends.registry import measured_backends
-    from backends.calibrate import ensure_calibration
-    from h2ir.clusters.clusterfile import load_cluster
-    from h2ir.plans.dsl import load_plan
-    from h2ir.planner.simulate import simulate
+def predicted_step_time(build: BuildDir) -> SimResult:
+    """The simulator's step time for this build: its own stream files (streams/wK.txt), timed
+    with the resource model and this host's calibration — the streams the workers will run."""
     plan = load_plan(str(build.path / "plan.h2plan"))
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
     cal = ensure_calibration(backends) if backends else None
-    return simulate(build.model_costs(), plan, cluster, cal)
+    streams = {w: build.stream(w) for w in range(len(build.workers))}
+    return simulate_build(build.model_costs(), plan, cluster, cal, streams)
 
 
-def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
-        trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-        transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
-        device: str | None = None, out=print, predict: bool = True) -> RunResult:
-    from executor import dicomm
+@dataclass
+class _Run:
+    """A started run: the store, the worker processes and where they report."""
+    build: BuildDir
+    procs: list
+    errs: list
+    store: object
+    run_dir: Path
+    status: np.ndarray
+    ckpt_dir: Path
+    t0: float
+    events: queue.Queue = field(default_factory=queue.Queue)
 
-    build = BuildDir(build_path)
+
+def _pick_transport(transport: str, strict: bool, out) -> str:
+    if transport != "rdma":
+        return transport
+    usable, why = dicomm.rdma_probe()
+    if usable:
+        return transport
+    if strict:
+        raise H2Error(f"--transport rdma: {why}; refusing to fall back "
+                      "(drop --strict-transport to run over shm)")
+    out(f"note: {why}; falling back to shm")
+    return "shm"
+
+
+def _resume_point(ckpt_dir: Path, resume: bool, out) -> tuple[int, Path | None]:
+    if not resume:
+        return 0, None
+    found = latest_complete(ckpt_dir)
+    if found is None:
+        raise H2Error("--resume: no complete checkpoint to resume from", str(ckpt_dir))
+    out(f"resuming from {found[1]} (step {found[0]})")
+    return found
+
+
+def _start_workers(build: BuildDir, *, steps, start, resume_from, transport, checkpoint_every,
+                   timeout, device, data, out) -> _Run:
     m = build.manifest
     W = len(build.workers)
-    if transport == "rdma":
-        usable, why = dicomm.rdma_probe()
-        if not usable:
-            if strict_transport:
-                raise H2Error(f"--transport rdma: {why}; refusing to fall back "
-                              "(drop --strict-transport to run over shm)")
-            out(f"note: {why}; falling back to shm")
-            transport = "shm"
-    ckpt_dir = build.path / "ckpt"
-    start, resume_from = 0, None
-    if resume:
-        found = latest_complete(ckpt_dir)
-        if found is None:
-            raise H2Error("--resume: no complete checkpoint to resume from", str(ckpt_dir))
-        start, resume_from = found
-        out(f"resuming from {resume_from} (step {start})")
-        if start >= steps:
-            out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
-            return RunResult()
-
     store = dicomm.host_store("127.0.0.1")
     secret = dicomm.new_secret()
     run_dir = Path(tempfile.mkdtemp(prefix="h2x-run-"))
@@ -128,10 +144,11 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
     # CPU step (glibc's dynamic mmap threshold would otherwise map large tensors anew each time).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 31))
-    procs, errs = [], []
     kinds = ", ".join(f"w{w['id']}: stage {w['stage']} {w['backend']}" for w in build.workers)
     out(f"starting {W} worker(s) [{kinds}] over {transport}; {m['num_microbatches']} micro-batches "
         f"of {m['micro_batch']} x {m['seq_len']} per step ({m['schedule']})")
+    ckpt_dir = build.path / "ckpt"
+    run = _Run(build, [], [], store, run_dir, status, ckpt_dir, t0)
     for w in range(W):
         cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path), "--worker", str(w),
                "--store-port", str(store.port), "--steps", str(steps), "--start", str(start),
@@ -143,95 +160,140 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         if resume_from:
             cmd += ["--resume-from", str(resume_from)]
         err = open(run_dir / f"stderr_w{w}.txt", "w")
-        errs.append(err)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
-    q: queue.Queue = queue.Queue()
-    for w, p in enumerate(procs):
-        threading.Thread(target=_reader, args=(p, w, q), daemon=True).start()
+        run.errs.append(err)
+        run.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
+    for w, p in enumerate(run.procs):
+        threading.Thread(target=_reader, args=(p, w, run.events), daemon=True).start()
+    return run
 
-    result = RunResult(transport=transport)
-    step_reports: dict[int, dict] = {}
-    ckpt_reports: dict[int, set] = {}
-    done: set = set()
-    ready = 0
-    last_step_t = None
-    tokens_per_step = m["global_batch"] * m["seq_len"]
-    log_f = open(json_log, "w") if json_log else None
+
+class _Progress:
+    """Turns the workers' events into step lines, the JSON log and complete checkpoints."""
+
+    def __init__(self, run: _Run, result: RunResult, steps: int, start: int, log_f, out):
+        self.run, self.result, self.steps, self.start, self.log_f, self.out = \
+            run, result, steps, start, log_f, out
+        self.W = len(run.build.workers)
+        m = run.build.manifest
+        self.tokens_per_step = m["global_batch"] * m["seq_len"]
+        self.step_reports: dict[int, dict] = {}
+        self.ckpt_reports: dict[int, set] = {}
+        self.done: set = set()
+        self.ready = 0
+        self.last_step_t = None
+
+    def on_event(self, w: int, ev: dict):
+        kind = ev["event"]
+        if kind == "ready":
+            self.result.transport = ev.get("transport", self.result.transport)
+            self.ready += 1
+            if self.ready == self.W:
+                self.out(f"all workers connected in {time.perf_counter() - self.run.t0:.1f} s "
+                         f"(transport {self.result.transport})")
+        elif kind == "step":
+            self.on_step(w, ev)
+        elif kind == "checkpoint":
+            got = self.ckpt_reports.setdefault(ev["step"], set())
+            got.add(w)
+            if len(got) == self.W:
+                mark_complete(self.run.ckpt_dir, ev["step"])
+        elif kind == "done":
+            self.done.add(w)
+        elif kind == "log":
+            self.out(f"[w{w}] {ev['text']}")
+
+    def on_step(self, w: int, ev: dict):
+        rep = self.step_reports.setdefault(ev["step"], {"workers": set(), "losses": []})
+        rep["workers"].add(w)
+        if "loss" in ev:
+            rep["losses"].append(ev["loss"])
+        if len(rep["workers"]) < self.W:
+            return
+        now = time.perf_counter()
+        step_s = now - (self.last_step_t if self.last_step_t is not None else self.run.t0)
+        self.last_step_t = now
+        loss = float(np.mean(rep["losses"]))
+        tps = self.tokens_per_step / step_s
+        self.result.losses.append(loss)
+        self.result.step_s.append(step_s)
+        self.result.tokens_per_s.append(tps)
+        s = ev["step"]
+        self.out(f"step {s + 1:>4}/{self.steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
+                 f"step {step_s:.3f} s" + ("  (includes start-up)" if s == self.start else ""))
+        if self.log_f:
+            self.log_f.write(json.dumps({"step": s + 1, "loss": loss, "tokens_per_s": tps,
+                                         "step_s": step_s}) + "\n")
+            self.log_f.flush()
+        del self.step_reports[s]
+
+
+def _supervise(run: _Run, progress: _Progress):
+    """Pump worker events until every worker is done; stop them all when one fails or hangs."""
     try:
-        while len(done) < W:
+        while len(progress.done) < len(run.procs):
             try:
-                w, ev = q.get(timeout=0.2)
+                w, ev = run.events.get(timeout=0.2)
             except queue.Empty:
                 w, ev = None, None
             if ev is not None:
-                kind = ev["event"]
-                if kind == "ready":
-                    result.transport = ev.get("transport", transport)
-                    ready += 1
-                    if ready == W:
-                        out(f"all workers connected in {time.perf_counter() - t0:.1f} s "
-                            f"(transport {result.transport})")
-                elif kind == "step":
-                    rep = step_reports.setdefault(ev["step"], {"workers": set(), "losses": []})
-                    rep["workers"].add(w)
-                    if "loss" in ev:
-                        rep["losses"].append(ev["loss"])
-                    if len(rep["workers"]) == W:
-                        now = time.perf_counter()
-                        step_s = now - (last_step_t if last_step_t is not None else t0)
-                        last_step_t = now
-                        loss = float(np.mean(rep["losses"]))
-                        tps = tokens_per_step / step_s
-                        result.losses.append(loss)
-                        result.step_s.append(step_s)
-                        result.tokens_per_s.append(tps)
-                        s = ev["step"]
-                        out(f"step {s + 1:>4}/{steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
-                            f"step {step_s:.3f} s" + ("  (includes start-up)" if s == start else ""))
-                        if log_f:
-                            log_f.write(json.dumps({"step": s + 1, "loss": loss, "tokens_per_s": tps,
-                                                    "step_s": step_s}) + "\n")
-                            log_f.flush()
-                        del step_reports[s]
-                elif kind == "checkpoint":
-                    got = ckpt_reports.setdefault(ev["step"], set())
-                    got.add(w)
-                    if len(got) == W:
-                        mark_complete(ckpt_dir, ev["step"])
-                elif kind == "done":
-                    done.add(w)
-                elif kind == "log":
-                    out(f"[w{w}] {ev['text']}")
-            _check_health(build, procs, status, done, run_dir)
+                progress.on_event(w, ev)
+            _check_health(run.build, run.procs, run.status, progress.done, run.run_dir)
     except RunFailed as e:
-        _kill_all(procs)
+        _kill_all(run.procs)
         raise H2Error(str(e)) from None
     except KeyboardInterrupt:
-        _kill_all(procs)
+        _kill_all(run.procs)
         raise
     finally:
-        if log_f:
-            log_f.close()
-        for p in procs:
+        for p in run.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        for e in errs:
+        for e in run.errs:
             e.close()
 
+
+def _predict(build: BuildDir, out) -> SimResult | None:
+    try:
+        sim = predicted_step_time(build)
+    except H2Error as e:
+        out(f"note: no prediction ({e})")
+        return None
+    out(f"predicted step time {sim.step_time_s:.3f} s (simulated from the build's "
+        f"{len(build.workers)} stream file(s))")
+    return sim
+
+
+def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
+        trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+        transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
+        device: str | None = None, out=print, predict: bool = True) -> RunResult:
+    build = BuildDir(build_path)
+    transport = _pick_transport(transport, strict_transport, out)
+    start, resume_from = _resume_point(build.path / "ckpt", resume, out)
+    if start >= steps:
+        out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
+        return RunResult()
+    sim = _predict(build, out) if predict else None
+    run_ = _start_workers(build, steps=steps, start=start, resume_from=resume_from,
+                          transport=transport, checkpoint_every=checkpoint_every, timeout=timeout,
+                          device=device, data=data, out=out)
+    result = RunResult(transport=transport)
+    log_f = open(json_log, "w") if json_log else None
+    try:
+        _supervise(run_, _Progress(run_, result, steps, start, log_f, out))
+    finally:
+        if log_f:
+            log_f.close()
     if trace:
-        _write_trace(build, run_dir, trace)
-    if predict and len(result.step_s) > 1:
-        try:
-            sim = predicted_step_time(build)
-            result.predicted_step_s = sim.step_time_s
-            measured = float(np.median(result.step_s[1:]))
-            err = (sim.step_time_s - measured) / measured
-            out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
-                f"(median of steps 2..{len(result.step_s)}), error {err:+.1%}")
-        except H2Error as e:
-            out(f"note: no prediction ({e})")
+        _write_trace(build, run_.run_dir, trace)
+    if sim is not None and len(result.step_s) > 1:
+        result.predicted_step_s = sim.step_time_s
+        measured = float(np.median(result.step_s[1:]))
+        err = (sim.step_time_s - measured) / measured
+        out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
+            f"(median of steps 2..{len(result.step_s)}), error {err:+.1%}")
     return result
 
 
@@ -284,7 +346,6 @@ def _failure(build, w, status, run_dir, what: str) -> str:
 
 
 def _write_trace(build, run_dir: Path, path: str):
-    from h2ir.planner.simulate import TraceEvent, chrome_trace
     events = []
     names = {}
     for w in range(len(build.workers)):

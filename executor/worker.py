@@ -1,8 +1,9 @@
 """One h2x worker: loads its stage for its backend and interprets its instruction stream.
 
-`StreamInterpreter` runs a stream one instruction at a time with one method per instruction kind
-(as torch.fx.Interpreter has one per opcode); `Worker` is the real executor. The simulator in
-h2ir/planner/simulate.py times the same streams with the cost model.
+`Worker` subclasses `h2ir.schedule.interpret.StreamInterpreter` (one method per instruction kind,
+as torch.fx.Interpreter has one per opcode) and is the real executor; the simulator's
+`SimulatedWorker` (h2ir/planner/simulate.py) is the other subclass and times the same stream files
+with the cost model.
 
 A worker talks to the launcher through JSON lines on stdout (events) and a status slot in a
 shared memory-mapped file (heartbeat, step, instruction index), which is how h2x names the last
@@ -32,36 +33,18 @@ from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
 from executor.data import TokenBatches, load_corpus
-from h2ir.schedule.streams import Instr
-from h2ir.types import TensorType
+from h2ir.errors import H2Error
+from h2ir.schedule.interpret import StreamInterpreter
+from h2ir.types import FLOAT_DTYPES, TensorType, dtype_of_host, host_dtype
 
 STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done, 2 failed)
-
-
-class StreamInterpreter:
-    """Runs an instruction stream; subclasses say what each instruction means."""
-
-    def run_instr(self, ins: Instr):
-        return getattr(self, ins.op)(ins)
-
-    def fwd(self, ins): raise NotImplementedError
-    def bwd(self, ins): raise NotImplementedError
-    def send_act(self, ins): raise NotImplementedError
-    def recv_act(self, ins): raise NotImplementedError
-    def send_grad(self, ins): raise NotImplementedError
-    def recv_grad(self, ins): raise NotImplementedError
-    def all_reduce(self, ins): raise NotImplementedError
-    def opt_step(self, ins): raise NotImplementedError
-
-    def all_to_all(self, ins):
-        raise NotImplementedError("all_to_all (MoE expert parallelism) is not executed yet")
 
 
 class Worker(StreamInterpreter):
     def __init__(self, build: BuildDir, wid: int, comm, data: TokenBatches | None, opt: dict,
                  emit, status, device: str = "cpu"):
-        self.build, self.wid, self.comm, self.data, self.emit, self.status = \
-            build, wid, comm, data, emit, status
+        super().__init__(wid, build.stream(wid))
+        self.build, self.comm, self.data, self.emit, self.status = build, comm, data, emit, status
         w = build.workers[wid]
         self.replica, self.stage_idx = w["replica"], w["stage"]
         self.S = build.num_stages
@@ -72,13 +55,12 @@ class Worker(StreamInterpreter):
         dev = device or st.device or "cpu"
         opts = {"device": dev, "dtype_policy": st.dtype_policy} if st.backend == "torch" else {}
         self.be = get_backend(st.backend, **opts)
-        self.stream = build.stream(wid)
         self.sig = st.sig
         self.first, self.last = self.stage_idx == 0, self.stage_idx == self.S - 1
         self.opt = opt
         from safetensors.numpy import load_file
-        self.params = {k: self.be.from_numpy(v, _np_dtype(v)) for k, v in load_file(str(st.weights)).items()}
-        self.consts = {k: self.be.from_numpy(v, _np_dtype(v)) for k, v in load_file(str(st.consts)).items()}
+        self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.weights)).items()}
+        self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.consts)).items()}
         self.param_names = list(self.sig["params"])
         self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
         self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
@@ -87,9 +69,9 @@ class Worker(StreamInterpreter):
         self.out_types = {k: TensorType.parse(v) for k, v in self.sig["output_types"].items()}
         # float boundary values get a gradient back (zeros when nothing flows into them)
         self.grad_inputs = [k for k in self.sig["inputs"]
-                            if self.in_types[k].dtype in ("f32", "f64", "f16", "bf16")]
+                            if self.in_types[k].dtype in FLOAT_DTYPES]
         self.grad_outputs = [k for k in self.sig["outputs"] if k != "loss" and
-                             self._type_of(k).dtype in ("f32", "f64", "f16", "bf16")]
+                             self._type_of(k).dtype in FLOAT_DTYPES]
         self.trace: list = []
         self.reset_step(0)
 
@@ -183,7 +165,7 @@ class Worker(StreamInterpreter):
     def send_grad(self, ins):
         for k, g in self.grads_in.pop(ins.mb).items():
             t = self.in_types[k]
-            arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, _host(t.dtype))
+            arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, host_dtype(t.dtype))
             self.comm.send(ins.peer, arr, kind=f"grad:{k}", mb=ins.mb, stage=self.stage_idx)
 
     def recv_grad(self, ins):
@@ -214,9 +196,25 @@ class Worker(StreamInterpreter):
                            self.opt_steps, o["lr"], o["betas"][0], o["betas"][1], o["eps"],
                            o["weight_decay"])
 
+    def all_to_all(self, ins):
+        raise H2Error(f"worker w{self.wid}: '{ins}' — MoE expert parallelism is not executed yet",
+                      hint="compile MoE models with ep=1 (experts run inside the stage)")
+
     # ---- the step loop -------------------------------------------------------------------------
+    _LANES = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
+
+    def before_instr(self, pc, ins):
+        self.status[:] = (time.time(), self.step, pc, 0)
+        self._t0 = time.perf_counter()
+
+    def after_instr(self, pc, ins):
+        t1 = time.perf_counter()
+        name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}"}.get(ins.op, str(ins))
+        self.trace.append((self._LANES.get(ins.op, "comm"), name, self._t0 - self.t_origin,
+                           t1 - self._t0, self.step))
+
     def run(self, start: int, steps: int, ckpt_every: int, ckpt_dir: Path | None, t_origin: float):
-        lanes = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
+        self.t_origin = t_origin
         # Reference counting frees tensors; the cyclic collector only adds pauses mid-step.
         gc.collect()
         gc.freeze()
@@ -224,13 +222,7 @@ class Worker(StreamInterpreter):
         for step in range(start, steps):
             self.reset_step(step)
             t_step = time.perf_counter()
-            for pc, ins in enumerate(self.stream):
-                self.status[:] = (time.time(), step, pc, 0)
-                t0 = time.perf_counter()
-                self.run_instr(ins)
-                t1 = time.perf_counter()
-                name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}"}.get(ins.op, str(ins))
-                self.trace.append((lanes.get(ins.op, "comm"), name, t0 - t_origin, t1 - t0, step))
+            self.run_stream()
             ev = {"event": "step", "worker": self.wid, "step": step,
                   "compute_s": time.perf_counter() - t_step}
             if self.last:
@@ -241,16 +233,6 @@ class Worker(StreamInterpreter):
                 save_worker_checkpoint(ckpt_dir, step + 1, self)
                 self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1})
         self.status[3] = 1
-
-
-def _np_dtype(a: np.ndarray) -> str:
-    return {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
-            np.dtype(np.int64): "i64", np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool",
-            np.dtype(np.uint16): "bf16"}[a.dtype]
-
-
-def _host(dtype: str):
-    return {"bf16": np.uint16, "f32": np.float32, "f64": np.float64, "f16": np.float16}[dtype]
 
 
 def main(argv=None) -> int:

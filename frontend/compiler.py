@@ -8,11 +8,13 @@
       stages/stageN.fwd.h2ir   forward program of stage N
       stages/stageN.bwd.h2ir   backward program of stage N
       stages/stageN.json       stage signature: boundary names, params, saved values, gradients
-      lowered/stageN.B.json    stage N bound to backend B: kernel per op, dtype policy, checks
+      stages/stageN.kernels.json  stage N bound to backend B: the kernel of each op, dtype
+                               policy, the capability check's result
       weights/stageN.safetensors         initial parameters of stage N
       weights/stageN.consts.safetensors  non-trained buffers stage N reads (e.g. rotary tables)
       streams/wK.txt           instruction stream of worker K (one instruction per line)
-      streams/schedule.csv     all streams as a grid (a row per worker; bubbles are visible)
+      streams/schedule.csv     the simulated timeline of those streams as a time-aligned grid
+                               (a row per worker, a column per time slot, bubbles empty)
 
 No pickle anywhere: JSON for metadata, h2ir text for programs, safetensors for tensors. h2x needs
 only this directory and the backends — not the model file.
@@ -28,7 +30,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.base import missing_kernels
+from backends.calibrate import ensure_calibration
+from backends.registry import get_backend, measured_backends, resolve_stack
+from frontend.capture import parse_model_args, trace_model
+from frontend.profile import record
+from frontend.stages import build_stage_programs
+from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import H2Error
+from h2ir.planner import search as heteroauto
+from h2ir.planner.calibration import load_calibration
+from h2ir.planner.simulate import SimResult, simulate_build
+from h2ir.planner.validate import validate_plan
+from h2ir.plans.dsl import format_plan, load_plan
+from h2ir.schedule.grid import format_grid
+from h2ir.schedule.streams import build_streams, format_stream
+from h2ir.text import print_graph
 
 FORMAT = "h2-build/1"
 
@@ -39,28 +56,24 @@ class BuildResult:
     plan: object
     stages: list
     seconds: float
+    predicted: SimResult | None = None
 
 
 def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
-                executable: bool = True):
+                executable: bool = True, calibration=None):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
     runs today (tp=1, no expert parallelism)."""
-    from h2ir.planner import search as heteroauto
-    from backends.calibrate import ensure_calibration
-    from backends.registry import measured_backends
-
-    measured = measured_backends(cluster)
-    cal = ensure_calibration(measured) if measured else None
     max_tp = 1 if executable else None
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-                                schedule=schedule, method=search, calibration=cal, max_tp=max_tp)
+                                schedule=schedule, method=search, calibration=calibration,
+                                max_tp=max_tp)
         plan = res.plan
     elif plan_arg == "uniform":
         plan = heteroauto.uniform_plan(costs, cluster, global_batch, seq_len=seq_len,
-                                       micro_batch=micro_batch, schedule=schedule, calibration=cal,
-                                       max_tp=max_tp).plan
+                                       micro_batch=micro_batch, schedule=schedule,
+                                       calibration=calibration, max_tp=max_tp).plan
     else:
         raise ValueError(f"search_plan makes 'auto' or 'uniform' plans, not {plan_arg!r}")
     plan.model = model_path or plan.model
@@ -68,12 +81,17 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
     return plan
 
 
+def cluster_calibration(cluster):
+    """The calibration the planner needs for the cluster's `measured` chips (measured by the
+    backends now if missing), or None for a cluster of catalog chips."""
+    measured = measured_backends(cluster)
+    return ensure_calibration(measured) if measured else None
+
+
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
                        log=print) -> None:
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
     this model; measure them once per model and backend (frontend/profile.py) if not stored."""
-    from backends.registry import measured_backends
-    from h2ir.planner.calibration import load_calibration
     backends = measured_backends(cluster)
     if not backends:
         return
@@ -83,7 +101,6 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
             if not cal or any(r.get("model") != name for r in cal.layer_times.get(b, {}).values())
             or not cal.layer_times.get(b)]
     if todo:
-        from frontend.profile import record
         log(f"measuring per-layer times of {name} on {', '.join(todo)} (once; stored in the "
             "calibration file)")
         record(model_path, model_args, micro_batch, seq_len, todo, log=log)
@@ -97,10 +114,10 @@ def _executable_check(plan):
     for i, st in enumerate(plan.stages):
         if st.tp != 1:
             raise H2Error(f"stage {i} uses tp={st.tp}: the executor runs tp=1 stages only "
-                          "(tensor parallelism is planned, not executed yet); use --dry-run to "
-                          "emit programs and streams only", plan.source, st.line or None)
+                          "(tensor parallelism is not executed yet); --dry-run emits the "
+                          "unsharded stage programs and the streams", plan.source, st.line or None)
     if plan.moe is not None and plan.moe.ep > 1:
-        raise H2Error("expert parallelism (ep > 1) is planned, not executed yet; use --dry-run",
+        raise H2Error("expert parallelism (ep > 1) is not executed yet; use --dry-run",
                       plan.source, plan.moe.line or None)
 
 
@@ -108,8 +125,6 @@ def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: st
                     dry_run: bool) -> dict:
     """Bind a stage's programs to a backend's kernels; an op the backend lacks is an error now,
     not a crash at step 500."""
-    from backends.base import missing_kernels
-    from backends.registry import get_backend, resolve_stack
     resolved = resolve_stack(stack)
     used = sorted(prog_fwd.ops_used() | prog_bwd.ops_used())
     if resolved is None:
@@ -133,67 +148,69 @@ def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: st
             "capability_check": "passed", "ops": used, "kernels": kernels}
 
 
-def compile_model(model_path: str, *, model_args: dict | None = None, cluster_arg: str = "local",
-                  plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
-                  seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
-                  schedule: str = "1f1b", search: str = "heuristic", log=print) -> BuildResult:
-    import torch
-    from frontend.capture import trace_model
-    from frontend.stages import build_stage_programs
-    from h2ir.clusters.clusterfile import load_cluster
-    from h2ir.plans.dsl import format_plan
-    from h2ir.schedule.streams import build_streams, format_stream, to_csv
-    from h2ir.text import print_graph
-    from h2ir.planner.validate import validate_plan
+@dataclass
+class _Inputs:
+    plan_arg: str                # 'auto' | 'uniform' | a .h2plan file
+    cluster: object
+    plan: object | None          # a hand-written plan file, else None (search or uniform)
+    global_batch: int
+    micro_batch: int | None
+    seq_len: int
 
-    t0 = time.perf_counter()
-    model_args = model_args or {}
+
+def _read_inputs(cluster_arg: str, plan_arg: str, global_batch, micro_batch, seq_len) -> _Inputs:
+    """The cluster and, for a plan file, the plan (whose batch shape and cluster win)."""
     cluster = load_cluster(cluster_arg)
-    fplan = None
-    if plan_arg not in ("auto", "uniform"):
-        from h2ir.plans.dsl import load_plan
-        fplan = load_plan(plan_arg)
-        micro_batch, seq_len, global_batch = fplan.micro_batch, fplan.seq_len, fplan.global_batch
-        cluster = load_cluster(fplan.cluster) if cluster_arg == "local" and fplan.cluster else cluster
-    mb_trace = micro_batch or 1
+    if plan_arg in ("auto", "uniform"):
+        return _Inputs(plan_arg, cluster, None, global_batch, micro_batch, seq_len)
+    fplan = load_plan(plan_arg)
+    if cluster_arg == "local" and fplan.cluster:
+        cluster = load_cluster(fplan.cluster)
+    return _Inputs(plan_arg, cluster, fplan, fplan.global_batch, fplan.micro_batch, fplan.seq_len)
+
+
+def _capture_and_plan(model_path, model_args, inp: _Inputs, cal, *, schedule, search, dry_run,
+                      log):
+    """Trace the model, then plan it (search/uniform) or take the plan file; retrace at the
+    plan's micro-batch if the search chose another."""
+    mb_trace = inp.micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
-    if fplan is None:      # the search ranks plans with measured layer times
-        ensure_layer_times(cluster, model_path, model_args, mb_trace, seq_len, log)
-    cap = trace_model(model_path, model_args, mb_trace, seq_len)
+    if inp.plan is None:      # the search ranks plans with measured layer times
+        ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
+        cal = cluster_calibration(inp.cluster)      # now with this model's layer times
+    cap = trace_model(model_path, model_args, mb_trace, inp.seq_len)
     costs = cap.graph.layer_costs()
-    plan = fplan or search_plan(plan_arg, costs, cluster, global_batch=global_batch,
-                                micro_batch=micro_batch, seq_len=seq_len, schedule=schedule,
-                                search=search, model_path=model_path, executable=not dry_run)
-    if plan.micro_batch != mb_trace:      # the search chose another micro-batch: trace at it
+    plan = inp.plan or search_plan(inp.plan_arg, costs, inp.cluster,
+                                   global_batch=inp.global_batch, micro_batch=inp.micro_batch,
+                                   seq_len=inp.seq_len, schedule=schedule, search=search,
+                                   model_path=model_path, executable=not dry_run, calibration=cal)
+    if plan.micro_batch != mb_trace:
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()
-    for w in validate_plan(plan, costs, cluster):
+    for w in validate_plan(plan, costs, inp.cluster):
         log(f"warning: {w}")
     if not dry_run:
         _executable_check(plan)
     log(f"plan: {len(plan.stages)} stage(s) x dp {plan.dp}, {plan.num_microbatches} micro-batches "
         f"of {plan.micro_batch} x {plan.seq_len} ({plan.schedule})")
+    return cap, costs, plan, cal
 
+
+def _prepare_build_dir(out_dir: str, dry_run: bool) -> Path:
     out = Path(out_dir)
     if out.exists():
         if not (out / ".h2-build").exists() and any(out.iterdir()):
             raise H2Error(f"output directory {out} exists and is not an h2 build directory; "
                           "refusing to overwrite it")
         shutil.rmtree(out)
-    for sub in ("stages", "lowered", "streams") + (() if dry_run else ("weights",)):
+    for sub in ("stages", "streams") + (() if dry_run else ("weights",)):
         (out / sub).mkdir(parents=True, exist_ok=True)
     (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
+    return out
 
-    stage_layers = [list(s.layers) for s in plan.stages]
-    log(f"building forward/backward programs for {len(stage_layers)} stage(s) "
-        f"({time.perf_counter() - t0:.1f} s so far) ...")
-    progs = build_stage_programs(cap, stage_layers, name=cap.model_file.name)
 
-    (out / "plan.h2plan").write_text(format_plan(plan))
-    if cluster.source and Path(cluster.source).is_file():
-        shutil.copyfile(cluster.source, out / "cluster.toml")
-    (out / "model.h2ir").write_text(print_graph(cap.graph))
-
+def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[dict]:
+    """Each stage's programs, signature and kernel binding; returns the manifest's stage list."""
     stages_meta = []
     for p, st in zip(progs, plan.stages):
         chip = cluster.chip(st.chip)
@@ -206,20 +223,21 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         (out / f"stages/stage{s}.bwd.h2ir").write_text(print_graph(p.bwd))
         (out / f"stages/stage{s}.json").write_text(json.dumps(p.meta(), indent=1))
         low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy, dry_run)
-        (out / f"lowered/stage{s}.{low['backend']}.json").write_text(json.dumps(low, indent=1))
+        (out / f"stages/stage{s}.kernels.json").write_text(json.dumps(low, indent=1))
         stages_meta.append({
             "index": s, "chip": st.chip, "backend": low["backend"], "device": low.get("device"),
             "stack": chip.backend, "dtype_policy": policy,
             "layers": p.layers, "fwd": f"stages/stage{s}.fwd.h2ir", "bwd": f"stages/stage{s}.bwd.h2ir",
-            "signature": f"stages/stage{s}.json", "lowered": f"lowered/stage{s}.{low['backend']}.json",
+            "signature": f"stages/stage{s}.json", "kernels": f"stages/stage{s}.kernels.json",
             "weights": None if dry_run else f"weights/stage{s}.safetensors",
             "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
             "params": len(p.params),
         })
+    return stages_meta
 
-    if not dry_run:
-        _write_weights(cap, progs, model_path, model_args, seed, out)
 
+def _write_streams(out: Path, plan, stages_meta) -> tuple[dict, list[dict]]:
+    """One instruction-stream file per worker; returns the streams and the manifest's workers."""
     streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp)
     workers = []
     for w, instrs in streams.items():
@@ -228,9 +246,13 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
             f"# worker {w}: replica {r}, stage {s} ({stages_meta[s]['backend']})\n" + format_stream(instrs))
         workers.append({"id": w, "replica": r, "stage": s, "chip": plan.stages[s].chip,
                         "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt"})
-    (out / "streams/schedule.csv").write_text(to_csv(streams))
+    return streams, workers
 
-    manifest = {
+
+def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out: Path,
+              stages_meta, workers, sim: SimResult) -> dict:
+    import torch
+    return {
         "format": FORMAT,
         "versions": {"h2": _h2_version(), "torch_at_compile": torch.__version__,
                      "python": sys.version.split()[0]},
@@ -246,10 +268,43 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         "seed": seed, "dry_run": dry_run,
         "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},
+        "predicted_step_s": sim.step_time_s,
         "stages": stages_meta, "workers": workers,
     }
+
+
+def compile_model(model_path: str, *, model_args: dict | None = None, cluster_arg: str = "local",
+                  plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
+                  seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
+                  schedule: str = "1f1b", search: str = "heuristic", log=print) -> BuildResult:
+    t0 = time.perf_counter()
+    model_args = model_args or {}
+    inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
+    cal = cluster_calibration(inp.cluster)
+    cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, cal, schedule=schedule,
+                                              search=search, dry_run=dry_run, log=log)
+    cluster = inp.cluster
+    out = _prepare_build_dir(out_dir, dry_run)
+    log(f"building forward/backward programs for {len(plan.stages)} stage(s) "
+        f"({time.perf_counter() - t0:.1f} s so far) ...")
+    progs = build_stage_programs(cap, [list(s.layers) for s in plan.stages], name=cap.model_file.name)
+
+    (out / "plan.h2plan").write_text(format_plan(plan))
+    if cluster.source and Path(cluster.source).is_file():
+        shutil.copyfile(cluster.source, out / "cluster.toml")
+    (out / "model.h2ir").write_text(print_graph(cap.graph))
+    stages_meta = _write_stages(out, progs, plan, cluster, dry_run, log)
+    if not dry_run:
+        _write_weights(cap, progs, model_path, model_args, seed, out)
+    streams, workers = _write_streams(out, plan, stages_meta)
+    sim = simulate_build(costs, plan, cluster, cal, streams)
+    (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
+    manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
+                         stages_meta, workers, sim)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return BuildResult(out, plan, progs, time.perf_counter() - t0)
+    log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
+        f"stream file(s))")
+    return BuildResult(out, plan, progs, time.perf_counter() - t0, sim)
 
 
 def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
@@ -278,7 +333,6 @@ def _h2_version() -> str:
 
 
 def main(argv: list[str]) -> int:
-    from frontend.capture import parse_model_args
     ap = argparse.ArgumentParser(prog="h2c compile", description="Compile a model for a cluster "
                                  "and plan into a build directory that `h2x run` executes.")
     ap.add_argument("model", help="model file (.py)")

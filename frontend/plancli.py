@@ -124,7 +124,8 @@ def plan_report(a) -> dict:
     from h2ir.clusters.clusterfile import load_cluster
     from h2ir.plans.plan import Plan
     from h2ir.planner.search import Candidate, hetero_speedup, search, uniform_plan
-    from h2ir.planner.simulate import simulate, write_chrome_trace
+    from h2ir.planner.simulate import simulate
+    from h2ir.schedule.trace import write_chrome_trace
 
     args = _model_args(a.arg)
     given: Plan | None = None

@@ -8,7 +8,8 @@ from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan, StagePlan
 from h2ir.planner.resource import ResourceModel, analytic_llama_costs, stage_memory
 from h2ir.schedule.streams import Instr, build_streams
-from h2ir.planner.simulate import StreamSimulator, TraceEvent, chrome_trace, simulate
+from h2ir.planner.simulate import SimulatedWorker, Timeline, run_streams, simulate
+from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 GiB = 2 ** 30
 
@@ -146,7 +147,8 @@ def test_stream_deadlock_is_an_error():
     times = [rm.stage_times(plan, j) for j in range(2)]
     streams = {0: [Instr("recv_grad", 0, 1), Instr("fwd", 0)], 1: [Instr("recv_act", 0, 0)]}
     with pytest.raises(H2Error, match="deadlock"):
-        StreamSimulator(plan, times, streams, [0, 1]).run()
+        tl = Timeline()
+        run_streams([SimulatedWorker(w, streams[w], times[w], tl, {0, 1}) for w in (0, 1)])
 
 
 def test_simulator_consumes_build_streams():

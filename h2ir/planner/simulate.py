@@ -1,8 +1,10 @@
 """Discrete-event simulation of a plan's per-worker instruction streams.
 
-The simulator is an interpreter of the same `Instr` streams the executor runs
-(`h2ir.schedule.streams.build_streams`); it differs only in what executing one instruction means: here,
-advancing a worker's clock by the resource model's duration (`h2ir/planner/resource.py`).
+The simulator is the second interpreter of the streams the executor runs: `SimulatedWorker`
+subclasses `h2ir.schedule.interpret.StreamInterpreter` as the executor's `Worker` does, and
+differs only in what executing one instruction means: here, advancing a worker's clock by the
+resource model's duration (`h2ir/planner/resource.py`). `h2x run` and `h2c compile` pass it the
+stream files of a build; `h2c plan` and the search let it build the plan's streams.
 
 - `fwd` / `bwd` occupy the worker's compute lane for the stage's per-micro-batch time.
 - `send_*` are asynchronous: the transfer occupies the sender's comm lane (one link queue per
@@ -11,75 +13,26 @@ advancing a worker's clock by the resource model's duration (`h2ir/planner/resou
   link is free, and takes the data-parallel all-reduce time for the stage.
 - `opt_step` is memory-bound: state bytes touched / memory bandwidth.
 
-Replicas of a pipeline run identical streams, so by default only replica 0 is simulated
-(`symmetric=True`); every member of an all-reduce group then arrives at the same time. The full
-simulation (`symmetric=False`) is kept for tests that check the symmetry argument.
+Replicas of a pipeline run identical streams, so for built streams only replica 0 is simulated
+by default (`symmetric=True`); every member of an all-reduce group then arrives at the same time.
+The full simulation (`symmetric=False`) is kept for tests that check the symmetry argument.
 
-The trace writer takes plain `TraceEvent`s so that the executor's measured trace and this
-predicted one come out in the same Chrome/Perfetto shape.
+Predicted timelines are `h2ir.schedule.trace.TraceEvent`s, the shape of the executor's measured
+ones, and `SimResult.grid()` turns one into schedule.csv's grid.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
+from h2ir.schedule.grid import ScheduleGrid, grid_from_events
+from h2ir.schedule.interpret import StreamInterpreter
 from h2ir.schedule.streams import Instr, build_streams
-
-
-# ----------------------------------------------------------------------------------------------
-# traces (shared with the executor's measured trace)
-
-@dataclass(frozen=True)
-class TraceEvent:
-    worker: int
-    lane: str              # 'compute' | 'comm'
-    name: str              # 'F3', 'B3', 'send_act 3', 'all_reduce grads', 'opt_step'
-    start_s: float
-    dur_s: float
-    args: dict | None = None
-
-
-LANES = ("compute", "comm")
-
-
-def chrome_trace(events: list[TraceEvent], worker_names: dict[int, str] | None = None,
-                 metadata: dict | None = None) -> dict:
-    """Chrome/Perfetto trace JSON: one process per worker, one thread per lane, 'X' events in µs."""
-    out = []
-    workers = sorted({e.worker for e in events} | set(worker_names or {}))
-    lanes = list(LANES) + sorted({e.lane for e in events} - set(LANES))
-    for w in workers:
-        out.append({"ph": "M", "name": "process_name", "pid": w, "tid": 0,
-                    "args": {"name": (worker_names or {}).get(w, f"w{w}")}})
-        out.append({"ph": "M", "name": "process_sort_index", "pid": w, "tid": 0, "args": {"sort_index": w}})
-        for i, lane in enumerate(lanes):
-            out.append({"ph": "M", "name": "thread_name", "pid": w, "tid": i, "args": {"name": lane}})
-    tid = {lane: i for i, lane in enumerate(lanes)}
-    for e in sorted(events, key=lambda e: (e.worker, e.start_s)):
-        ev = {"ph": "X", "name": e.name, "pid": e.worker, "tid": tid[e.lane],
-              "ts": round(e.start_s * 1e6, 3), "dur": round(e.dur_s * 1e6, 3),
-              "cat": e.lane}
-        if e.args:
-            ev["args"] = e.args
-        out.append(ev)
-    d = {"traceEvents": out, "displayTimeUnit": "ms"}
-    if metadata:
-        d["otherData"] = metadata
-    return d
-
-
-def write_chrome_trace(path: str | Path, events: list[TraceEvent],
-                       worker_names: dict[int, str] | None = None, metadata: dict | None = None) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(chrome_trace(events, worker_names, metadata)))
-    return p
+from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,10 +51,15 @@ class SimResult:
     mfu: dict[str, float]             # chip type -> model FLOPs / (chips x peak) over the step
     events: list[TraceEvent] = field(default_factory=list)
     worker_names: dict[int, str] = field(default_factory=dict)
+    stage_of: dict[int, int] = field(default_factory=dict)    # simulated worker -> its stage
 
     @property
     def fits(self) -> bool:
         return all(m.fits for m in self.stage_memory)
+
+    def grid(self, slot_s: float | None = None) -> ScheduleGrid:
+        """The predicted timeline as schedule.csv's time-aligned grid (needs `record`)."""
+        return grid_from_events(self.events, self.stage_of, slot_s)
 
     def trace(self) -> dict:
         return chrome_trace(self.events, self.worker_names,
@@ -118,133 +76,127 @@ class SimResult:
 # the interpreter
 
 class _Blocked(Exception):
-    pass
+    """A receive or barrier whose data has not arrived yet: the worker waits, others go on."""
 
 
-class StreamSimulator:
-    """Times the instruction streams of one plan. One method per opcode, like torch.fx's
-    Interpreter; `run` drives the workers until every stream has finished."""
+@dataclass
+class Timeline:
+    """What the simulated workers share: clocks, link queues, arrivals, barriers, events."""
+    record: bool = True
+    clock: dict = field(default_factory=dict)           # worker -> compute lane's time
+    link_free: dict = field(default_factory=dict)       # worker -> when its send queue is free
+    arrivals: dict = field(default_factory=dict)        # (kind, mb, src, dst) -> arrival time
+    barriers: dict = field(default_factory=dict)        # (group, index) -> {arrived, start, end}
+    events: list = field(default_factory=list)
 
-    def __init__(self, plan: Plan, times: list[StageTimes], streams: dict[int, list[Instr]],
-                 workers: list[int], record: bool = True):
-        self.plan = plan
-        self.S = plan.num_stages
-        self.times = times
-        self.streams = streams
-        self.workers = workers
-        self.simulated = set(workers)
-        self.record = record
-        self.clock = {w: 0.0 for w in workers}
-        self.link_free = {w: 0.0 for w in workers}
-        self.arrivals: dict[tuple, float] = {}
-        self.barriers: dict[tuple, dict] = {}
-        self.ar_count = {w: 0 for w in workers}
-        self.inflight = {w: 0 for w in workers}
-        self.inflight_peak = {w: 0 for w in workers}
-        self.busy = {w: 0.0 for w in workers}
-        self.last_bwd_end = {w: 0.0 for w in workers}
-        self.events: list[TraceEvent] = []
-
-    def stage(self, w: int) -> int:
-        return w % self.S
-
-    def _emit(self, w, lane, name, start, dur):
+    def emit(self, w, lane, name, start, dur):
         if self.record:
             self.events.append(TraceEvent(w, lane, name, start, dur))
 
-    # -- opcodes ----------------------------------------------------------------------------
-    def fwd(self, w: int, ins: Instr):
-        d = self.times[self.stage(w)].fwd_s
-        self._emit(w, "compute", f"F{ins.mb}", self.clock[w], d)
-        self.clock[w] += d
-        self.busy[w] += d
-        self.inflight[w] += 1
-        self.inflight_peak[w] = max(self.inflight_peak[w], self.inflight[w])
 
-    def bwd(self, w: int, ins: Instr):
-        d = self.times[self.stage(w)].bwd_s
-        self._emit(w, "compute", f"B{ins.mb}", self.clock[w], d)
-        self.clock[w] += d
-        self.busy[w] += d
-        self.inflight[w] -= 1
-        self.last_bwd_end[w] = self.clock[w]
+class SimulatedWorker(StreamInterpreter):
+    """One worker's stream timed with its stage's durations (`StageTimes`)."""
 
-    def _send(self, w: int, ins: Instr, kind: str, dur: float):
-        start = max(self.clock[w], self.link_free[w])
-        self.link_free[w] = start + dur
-        self.arrivals[(kind, ins.mb, w, ins.peer)] = start + dur
-        self._emit(w, "comm", f"send_{kind} {ins.mb}", start, dur)
+    def __init__(self, wid: int, stream: list[Instr], times: StageTimes, timeline: Timeline,
+                 simulated: set):
+        super().__init__(wid, stream)
+        self.times, self.tl, self.simulated = times, timeline, simulated
+        timeline.clock[wid] = timeline.link_free[wid] = 0.0
+        self.ar_count = 0
+        self.inflight = self.inflight_peak = 0
+        self.busy = self.last_bwd_end = 0.0
 
-    def _recv(self, w: int, ins: Instr, kind: str):
-        key = (kind, ins.mb, ins.peer, w)
-        if key not in self.arrivals:
+    def _compute(self, name: str, dur: float):
+        w, tl = self.wid, self.tl
+        tl.emit(w, "compute", name, tl.clock[w], dur)
+        tl.clock[w] += dur
+
+    def fwd(self, ins):
+        self._compute(f"F{ins.mb}", self.times.fwd_s)
+        self.busy += self.times.fwd_s
+        self.inflight += 1
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
+
+    def bwd(self, ins):
+        self._compute(f"B{ins.mb}", self.times.bwd_s)
+        self.busy += self.times.bwd_s
+        self.inflight -= 1
+        self.last_bwd_end = self.tl.clock[self.wid]
+
+    def _send(self, ins, kind: str, dur: float):
+        w, tl = self.wid, self.tl
+        start = max(tl.clock[w], tl.link_free[w])
+        tl.link_free[w] = start + dur
+        tl.arrivals[(kind, ins.mb, w, ins.peer)] = start + dur
+        tl.emit(w, "comm", f"send_{kind} {ins.mb}", start, dur)
+
+    def _recv(self, ins, kind: str):
+        key = (kind, ins.mb, ins.peer, self.wid)
+        if key not in self.tl.arrivals:
             if ins.peer not in self.simulated:
-                raise H2Error(f"worker w{w} receives from w{ins.peer}, which is not simulated")
+                raise H2Error(f"worker w{self.wid} receives from w{ins.peer}, which is not simulated")
             raise _Blocked
-        self.clock[w] = max(self.clock[w], self.arrivals.pop(key))
+        self.tl.clock[self.wid] = max(self.tl.clock[self.wid], self.tl.arrivals.pop(key))
 
-    def send_act(self, w, ins):
-        self._send(w, ins, "act", self.times[self.stage(w)].send_act_s)
+    def send_act(self, ins):
+        self._send(ins, "act", self.times.send_act_s)
 
-    def send_grad(self, w, ins):
-        self._send(w, ins, "grad", self.times[self.stage(w)].send_grad_s)
+    def send_grad(self, ins):
+        self._send(ins, "grad", self.times.send_grad_s)
 
-    def recv_act(self, w, ins):
-        self._recv(w, ins, "act")
+    def recv_act(self, ins):
+        self._recv(ins, "act")
 
-    def recv_grad(self, w, ins):
-        self._recv(w, ins, "grad")
+    def recv_grad(self, ins):
+        self._recv(ins, "grad")
 
-    def all_reduce(self, w, ins):
+    def all_reduce(self, ins):
+        w, tl = self.wid, self.tl
         members = [g for g in ins.group if g in self.simulated]
-        key = (ins.group, self.ar_count[w])
-        bar = self.barriers.setdefault(key, {"arrived": {}, "end": None})
+        bar = tl.barriers.setdefault((ins.group, self.ar_count), {"arrived": {}, "end": None})
         if w not in bar["arrived"]:
-            bar["arrived"][w] = max(self.clock[w], self.link_free[w])
+            bar["arrived"][w] = max(tl.clock[w], tl.link_free[w])
         if bar["end"] is None:
             if len(bar["arrived"]) < len(members):
                 raise _Blocked
             start = max(bar["arrived"].values())
             # members are replicas of one stage, so they share one all-reduce time
-            dur = self.times[self.stage(w)].dp_allreduce_s
-            bar["start"], bar["end"] = start, start + dur
-        self._emit(w, "comm", "all_reduce grads", bar["start"], bar["end"] - bar["start"])
-        self.clock[w] = bar["end"]
-        self.link_free[w] = bar["end"]
-        self.ar_count[w] += 1
+            bar["start"], bar["end"] = start, start + self.times.dp_allreduce_s
+        tl.emit(w, "comm", "all_reduce grads", bar["start"], bar["end"] - bar["start"])
+        tl.clock[w] = tl.link_free[w] = bar["end"]
+        self.ar_count += 1
 
-    def all_to_all(self, w, ins):
+    def all_to_all(self, ins):
         # MoE token exchange is costed inside fwd/bwd (resource model); the stream op is a no-op
         pass
 
-    def opt_step(self, w, ins):
-        d = self.times[self.stage(w)].opt_step_s
-        self._emit(w, "compute", "opt_step", self.clock[w], d)
-        self.clock[w] += d
+    def opt_step(self, ins):
+        self._compute("opt_step", self.times.opt_step_s)
 
-    # -- driver -----------------------------------------------------------------------------
-    def run(self) -> float:
-        pc = {w: 0 for w in self.workers}
-        remaining = set(self.workers)
-        while remaining:
-            progress = False
-            for w in sorted(remaining):
-                stream = self.streams[w]
-                while pc[w] < len(stream):
-                    ins = stream[pc[w]]
-                    try:
-                        getattr(self, ins.op)(w, ins)
-                    except _Blocked:
-                        break
-                    pc[w] += 1
-                    progress = True
-                if pc[w] == len(stream):
-                    remaining.discard(w)
-                    progress = True
-            if not progress:
-                stuck = ", ".join(f"w{w}: {self.streams[w][pc[w]]}" for w in sorted(remaining))
-                raise H2Error(f"instruction streams deadlock ({stuck})")
-        return max(max(self.clock.values()), max(self.link_free.values()))
+
+def run_streams(workers: list[SimulatedWorker]) -> float:
+    """Advance every worker as far as its data allows, round after round, until all streams end;
+    returns the step time (the last clock or link to go idle)."""
+    remaining = {w.wid: w for w in workers}
+    while remaining:
+        progress = False
+        for wid in sorted(remaining):
+            sw = remaining[wid]
+            while sw.pc < len(sw.stream):
+                try:
+                    sw.run_instr(sw.stream[sw.pc])
+                except _Blocked:
+                    break
+                sw.pc += 1
+                progress = True
+            if sw.pc == len(sw.stream):
+                del remaining[wid]
+                progress = True
+        if not progress:
+            stuck = ", ".join(f"w{w}: {remaining[w].stream[remaining[w].pc]}" for w in sorted(remaining))
+            raise H2Error(f"instruction streams deadlock ({stuck})")
+    tl = workers[0].tl if workers else Timeline()
+    return max(max(tl.clock.values(), default=0.0), max(tl.link_free.values(), default=0.0))
 
 
 def _worker_name(plan: Plan, w: int) -> str:
@@ -254,46 +206,78 @@ def _worker_name(plan: Plan, w: int) -> str:
 
 
 def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, *,
+             streams: dict[int, list[Instr]] | None = None, workers: list[int] | None = None,
              symmetric: bool = True, record: bool = True,
              resource: ResourceModel | None = None) -> SimResult:
-    """Simulate one training step of `plan`; durations from the resource model."""
+    """Simulate one training step of `plan`; durations from the resource model.
+
+    `streams` are the instruction streams to time — a build's stream files, as h2x and h2c
+    compile pass them — keyed by worker id (replica * S + stage); without them the plan's
+    streams are built here. `workers` limits the simulation to some workers (their peers'
+    transfers must come from inside the set); by default every worker of `streams` is simulated,
+    or, for built streams with `symmetric`, the first replica only: replicas run the same stream
+    up to worker ids, so replica 0 is timed and its all-reduce takes the plan's dp-way time."""
+    _check_batch(plan)
+    rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
+    S, m = plan.num_stages, plan.num_microbatches
+    times = [rm.stage_times(plan, j) for j in range(S)]
+    if streams is None:
+        streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp)
+        if symmetric:
+            workers = workers or list(range(S))
+    workers = sorted(workers if workers is not None else streams)
+    for w in workers:
+        if w not in streams:
+            raise H2Error(f"no instruction stream for worker w{w}")
+        if w // S >= plan.dp:
+            raise H2Error(f"worker w{w} is outside the plan's {plan.dp} x {S} workers")
+    simulated = set(workers)
+    tl = Timeline(record=record)
+    sims = [SimulatedWorker(w, streams[w], times[w % S], tl, simulated) for w in workers]
+    step = run_streams(sims)
+
+    flush = max(s.last_bwd_end for s in sims)
+    busy_total = sum(s.busy for s in sims)
+    bubble = 1.0 - busy_total / (len(sims) * flush) if flush > 0 else 0.0
+    mem = []
+    for j in range(S):
+        peak = max((s.inflight_peak for s in sims if s.wid % S == j), default=0)
+        mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak))
+    return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
+                     stage_memory=mem, inflight_peak={s.wid: s.inflight_peak for s in sims},
+                     busy_s={s.wid: s.busy for s in sims},
+                     tokens_per_s=plan.global_batch * plan.seq_len / step,
+                     mfu=_mfu(rm, plan, step), events=tl.events,
+                     worker_names={w: _worker_name(plan, w) for w in workers},
+                     stage_of={w: w % S for w in workers})
+
+
+def _check_batch(plan: Plan) -> None:
     if plan.num_stages == 0:
         raise H2Error("plan has no stages", file=plan.source)
     if plan.global_batch % (plan.dp * plan.micro_batch) or plan.num_microbatches < 1:
         raise H2Error(f"global batch {plan.global_batch} is not a multiple of dp x micro-batch = "
                       f"{plan.dp} x {plan.micro_batch}", file=plan.source)
-    rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
-    S, m = plan.num_stages, plan.num_microbatches
-    times = [rm.stage_times(plan, j) for j in range(S)]
-    if symmetric:
-        # Replicas run the same stream up to worker ids, and replica 0's stream has the same
-        # structure for every dp >= 2, so two replicas are built and replica 0 is timed (its
-        # all-reduce takes the plan's dp-way time from the resource model).
-        streams = build_streams(plan.schedule, S, m, min(plan.dp, 2))
-        workers = list(range(S))
-    else:
-        streams = build_streams(plan.schedule, S, m, plan.dp)
-        workers = sorted(streams)
-    sim = StreamSimulator(plan, times, streams, workers, record=record)
-    step = sim.run()
 
-    flush = max(sim.last_bwd_end.values())
-    busy_total = sum(sim.busy.values())
-    bubble = 1.0 - busy_total / (len(workers) * flush) if flush > 0 else 0.0
-    mem = []
-    for j in range(S):
-        peak = max(sim.inflight_peak[w] for w in workers if w % S == j)
-        mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak))
 
-    # MFU per chip type: model FLOPs it executed (no recompute) / (its chips x peak x step)
+def _mfu(rm: ResourceModel, plan: Plan, step: float) -> dict[str, float]:
+    """MFU per chip type: model FLOPs it executed (no recompute) / (its chips x peak x step)."""
     flops_by_chip: dict[str, float] = {}
     chips_by_chip: dict[str, int] = {}
     for j, st in enumerate(plan.stages):
-        flops_by_chip[st.chip] = flops_by_chip.get(st.chip, 0.0) + rm.stage_flops(plan, j) * m * plan.dp
+        flops = rm.stage_flops(plan, j) * plan.num_microbatches * plan.dp
+        flops_by_chip[st.chip] = flops_by_chip.get(st.chip, 0.0) + flops
         chips_by_chip[st.chip] = chips_by_chip.get(st.chip, 0) + st.chips
-    mfu = {c: f / (chips_by_chip[c] * rm.rates(c).peak_flops * step) for c, f in flops_by_chip.items()}
+    return {c: f / (chips_by_chip[c] * rm.rates(c).peak_flops * step) for c, f in flops_by_chip.items()}
 
-    return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
-                     stage_memory=mem, inflight_peak=dict(sim.inflight_peak), busy_s=dict(sim.busy),
-                     tokens_per_s=plan.global_batch * plan.seq_len / step, mfu=mfu,
-                     events=sim.events, worker_names={w: _worker_name(plan, w) for w in workers})
+
+# Above this many workers the build's streams are timed for the first replica only (the others
+# run the same stream up to worker ids; h2ir/planner/simulate.py).
+FULL_SIMULATION_MAX_WORKERS = 256
+
+
+def simulate_build(costs, plan, cluster, cal, streams: dict) -> SimResult:
+    """Time the streams a build holds: all of them, or replica 0's for very large plans."""
+    workers = None if len(streams) <= FULL_SIMULATION_MAX_WORKERS else \
+        [w for w in streams if w < plan.num_stages]
+    return simulate(costs, plan, cluster, cal, streams=streams, workers=workers)

@@ -2,7 +2,8 @@
 
 A worker is one (replica, stage) pair; worker id = replica * S + stage. Each worker runs an
 ordered list of small instructions. The executor interprets them; the simulator times them with
-the resource model. Every instruction has a one-line text form that round-trips:
+the resource model (both subclass `h2ir.schedule.interpret.StreamInterpreter`). Every instruction
+has a one-line text form that round-trips:
 
     fwd 3                   forward of micro-batch 3 (on stage 0 this also loads its input batch)
     bwd 3                   backward of micro-batch 3 (on the last stage this starts from the loss)
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from h2ir.errors import H2Error
 
 OPS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad",
        "all_reduce", "all_to_all", "opt_step")
@@ -125,14 +128,14 @@ def format_stream(instrs: list[Instr]) -> str:
     return "".join(f"{i}\n" for i in instrs)
 
 
-def parse_stream(text: str) -> list[Instr]:
-    return [Instr.parse(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-
-
-def to_csv(streams: dict[int, list[Instr]]) -> str:
-    """One row per worker, one compute action per column (like torch.distributed.pipelining's CSV)."""
-    rows = []
-    for w in sorted(streams):
-        cells = [f"{i.op[0].upper()}{i.mb}" for i in streams[w] if i.op in ("fwd", "bwd")]
-        rows.append(f"w{w}," + ",".join(cells))
-    return "\n".join(rows) + "\n"
+def parse_stream(text: str, file: str | None = None) -> list[Instr]:
+    """Inverse of `format_stream`; '#' lines are comments. A bad line is a located H2Error."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            out.append(Instr.parse(line))
+        except ValueError as e:
+            raise H2Error(str(e), file=file, line=n) from None
+    return out
