@@ -95,7 +95,10 @@ def test_check_ops_table_with_and_without_reference_fields():
                   "ops": [dict(o, reference=r) for o, r in zip(ops, ["numpy-f64", "torch-f64"])]}
     failed = gen_docs.Run(("-m", "frontend.cli", "check-ops", "--backend", "numpy", "--dtype", "bf16"),
                           2, "", "error: backend numpy does not compute in bf16\n", 0.5)
+    per_op_ref["reference_gaps"] = ["mm"]
+    per_op_ref["ops"][1]["reference_independent"] = False
     out = gen_docs.render_check_ops([_run(plain, rc=1), _run(per_op_ref), failed])
+    assert "lacks mm" in out and "not independent of the tested library for mm" in out
     assert "| numpy | f32 | not reported | 2 (2/3 implemented) | 1 | mm | 3.0e-05 (mm) | 1.0e-03 (mm) |" in out
     assert "numpy-f64 (1), torch-f64 (1)" in out                 # per-op references summarised
     assert "torch f32: reference" in out                         # and shown per op

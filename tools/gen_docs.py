@@ -281,11 +281,18 @@ def render_check_ops(runs: list[Run], per_op: int = 3) -> str:
                         f"{_e(wr['max_rel'])} ({wr['op']})" if wr else "—"])
         notes += [f"- {rep.get('backend')} {rep.get('dtype')}, {o['op']}: {o['error']}"
                   for o in ops if o.get("error")]
+        if rep.get("reference_gaps"):
+            notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: the reference library lacks "
+                         f"{', '.join(rep['reference_gaps'])}; checked against another reference")
+        dependent = [o["op"] for o in ops if o.get("reference_independent") is False]
+        if dependent:
+            notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: reference not independent of "
+                         f"the tested library for {', '.join(dependent)}")
     out = [fenced(cmds), "",
            table(["backend", "dtype", "reference", "ops checked", "passed", "failed",
                   "worst max abs err (op)", "worst max rel err (op)"], summary)]
     if notes:
-        out += ["", "Errors raised by kernels:", "", "\n".join(notes)]
+        out += ["", "Notes from the reports:", "", "\n".join(notes)]
 
     shown = [(r, rep) for r, rep in reports[:per_op] if rep is not None]
     if shown:
