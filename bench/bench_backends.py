@@ -28,7 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.base import get_backend, run_program                # noqa: E402
+from backends.base import run_program                            # noqa: E402
+from backends.registry import get_backend                         # noqa: E402
 from backends.numpy.runtime import NumpyBackend                   # noqa: E402
 from frontend.capture import capture                              # noqa: E402
 from h2ir.graph import Value, full_attrs                          # noqa: E402
