@@ -465,14 +465,7 @@ def check_op(backend, op: str, dtype: str, seed: int = 0, reference: str | None 
     """Run every case of `op`'s spec on `backend` at `dtype` and compare with the f64 reference
     (default: `reference_for(backend.name)`; numpy-f64 uses `numpy_ops`, the numpy backend's op
     table, looked up in the registry when not given)."""
-    reference = reference or reference_for(backend.name)
-    if reference not in REFERENCES:
-        raise H2Error(f"reference {reference!r}: expected one of {', '.join(REFERENCES)}")
-    if reference == "numpy-f64" and numpy_ops is None:
-        from backends.registry import get_backend
-        numpy_ops = get_backend("numpy").ops
-    if reference == "numpy-f64" and op not in numpy_ops:
-        reference = "torch-f64"                          # the numpy library lacks it: fall back
+    reference, numpy_ops = _op_reference(backend, op, reference, numpy_ops)
     res = OpResult(op, dtype, reference=reference,
                    reference_independent=_LIBRARY[reference] != backend.name)
     d = opset.get(op)
@@ -482,48 +475,85 @@ def check_op(backend, op: str, dtype: str, seed: int = 0, reference: str | None 
     ref_kernel = _reference_kernel(op, reference, numpy_ops)
     draw = Draw(seed + zlib.crc32(op.encode()))
     for case in SPECS[op](draw):
-        attrs = {k: v for k, v in d.attrs.items()}
-        attrs.update(case.attrs)
-        if op in DTYPE_ATTR_OPS:
-            attrs["dtype"] = dtype
-        ins, ref_ins, types = [], [], []
-        for x in case.inputs:
-            if isinstance(x, Arg):
-                xdt = x.dtype or dtype
-                host, ref = _round_to(x.data, xdt)
-                ins.append(backend.from_numpy(host, xdt))
-                ref_ins.append(ref)
-                types.append(TensorType(xdt, host.shape))
-            else:
-                ins.append(x)
-                ref_ins.append(x)
-                types.append(x)
+        attrs = _case_attrs(d, op, case, dtype)
+        ins, ref_ins, types = _case_inputs(backend, case, dtype)
         try:
-            want = d.infer(types, attrs)
-            got = backend.ops[op](*ins, **attrs)
-            backend.synchronize()
-            got = list(got) if isinstance(got, (tuple, list)) else [got]
-            ref = ref_kernel(*ref_ins, **attrs)
-            ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
-            if len(got) != len(want):
-                raise AssertionError(f"{len(got)} result(s), the op set declares {len(want)}")
-            for g, r, w in zip(got, ref, want):
-                host = backend.to_numpy(g)
-                host_dt = _host_dtype_name(host)
-                if host_dt != w.dtype or tuple(host.shape) != w.shape:
-                    raise AssertionError(f"result {host_dt}{list(host.shape)}, the op set "
-                                         f"declares {w}")
-                atol, rtol = _tolerance(dtype, w.dtype)
-                exact = w.dtype not in FLOAT_DTYPES
-                mabs, mrel, ok = _compare(_host_to_f64(host, w.dtype), _as_f64(r), atol, rtol,
-                                          exact)
-                res.max_abs = max(res.max_abs, mabs)
-                res.max_rel = max(res.max_rel, mrel)
-                res.passed = res.passed and ok
+            _check_case(res, backend, d, op, ref_kernel, ins, ref_ins, types, attrs)
         except Exception as e:        # a kernel that raises fails its op; the sweep goes on
             res.passed = False
             res.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return res
+
+
+def _op_reference(backend, op: str, reference: str | None, numpy_ops: dict | None):
+    """(reference, numpy_ops) for checking `op`: torch-f64 where the numpy library lacks it."""
+    reference = reference or reference_for(backend.name)
+    if reference not in REFERENCES:
+        raise H2Error(f"reference {reference!r}: expected one of {', '.join(REFERENCES)}")
+    if reference == "numpy-f64" and numpy_ops is None:
+        from backends.registry import get_backend
+        numpy_ops = get_backend("numpy").ops
+    if reference == "numpy-f64" and op not in numpy_ops:
+        reference = "torch-f64"                          # the numpy library lacks it: fall back
+    return reference, numpy_ops
+
+
+def _case_attrs(d: opset.OpDef, op: str, case: Case, dtype: str) -> dict:
+    """The op's default attributes, overridden by the case's; creation/cast ops make `dtype`."""
+    attrs = {k: v for k, v in d.attrs.items()}
+    attrs.update(case.attrs)
+    if op in DTYPE_ATTR_OPS:
+        attrs["dtype"] = dtype
+    return attrs
+
+
+def _case_inputs(backend, case: Case, dtype: str) -> tuple[list, list, list]:
+    """(backend inputs, reference inputs, input types) of a case: each array rounded to its
+    dtype (default: the dtype under test), scalars as they are."""
+    ins, ref_ins, types = [], [], []
+    for x in case.inputs:
+        if isinstance(x, Arg):
+            xdt = x.dtype or dtype
+            host, ref = _round_to(x.data, xdt)
+            ins.append(backend.from_numpy(host, xdt))
+            ref_ins.append(ref)
+            types.append(TensorType(xdt, host.shape))
+        else:
+            ins.append(x)
+            ref_ins.append(x)
+            types.append(x)
+    return ins, ref_ins, types
+
+
+def _check_case(res: OpResult, backend, d: opset.OpDef, op: str, ref_kernel: Callable,
+                ins: list, ref_ins: list, types: list, attrs: dict) -> None:
+    """Run one case on the backend and the reference and fold its errors into `res` (at the
+    dtype under test, `res.dtype`). Raises when a kernel raises or a result's count, dtype or
+    shape differs from the op set's."""
+    want = d.infer(types, attrs)
+    got = backend.ops[op](*ins, **attrs)
+    backend.synchronize()
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    ref = ref_kernel(*ref_ins, **attrs)
+    ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    if len(got) != len(want):
+        raise AssertionError(f"{len(got)} result(s), the op set declares {len(want)}")
+    for g, r, w in zip(got, ref, want):
+        _compare_result(res, backend.to_numpy(g), r, w, res.dtype)
+
+
+def _compare_result(res: OpResult, host: np.ndarray, ref, want: TensorType, dtype: str) -> None:
+    """One result against the op set's declared type and the reference, at the looser of the
+    tolerances of `dtype` (under test) and the result's dtype."""
+    host_dt = _host_dtype_name(host)
+    if host_dt != want.dtype or tuple(host.shape) != want.shape:
+        raise AssertionError(f"result {host_dt}{list(host.shape)}, the op set declares {want}")
+    atol, rtol = _tolerance(dtype, want.dtype)
+    exact = want.dtype not in FLOAT_DTYPES
+    mabs, mrel, ok = _compare(_host_to_f64(host, want.dtype), _as_f64(ref), atol, rtol, exact)
+    res.max_abs = max(res.max_abs, mabs)
+    res.max_rel = max(res.max_rel, mrel)
+    res.passed = res.passed and ok
 
 
 def check_backend(backend, dtype: str = "f32", seed: int = 0, ops: list[str] | None = None,

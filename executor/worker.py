@@ -235,7 +235,7 @@ class Worker(StreamInterpreter):
         self.status[3] = 1
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="h2x-worker")
     ap.add_argument("--build", required=True)
     ap.add_argument("--worker", type=int, required=True)
@@ -251,23 +251,28 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--timeout", type=float, default=10.0)
-    a = ap.parse_args(argv)
+    return ap
 
-    out = sys.stdout
+
+def _event_writer(out):
+    """emit(event): the event as one JSON line on `out`, the launcher's pipe; a lock keeps each
+    line whole when several threads emit."""
     lock = threading.Lock()
 
     def emit(ev):
         with lock:
             out.write(json.dumps(ev) + "\n")
             out.flush()
+    return emit
 
-    build = BuildDir(a.build)
-    W = len(build.workers)
-    pin_to_core(a.worker)
-    status_all = np.memmap(a.status, dtype=np.float64, mode="r+", shape=(W, STATUS_FIELDS))
-    status = status_all[a.worker]
-    parent = os.getppid()
 
+def _status_slot(path: str, num_workers: int, wid: int) -> np.ndarray:
+    """This worker's row of the launcher's shared status file (see STATUS_FIELDS)."""
+    status_all = np.memmap(path, dtype=np.float64, mode="r+", shape=(num_workers, STATUS_FIELDS))
+    return status_all[wid]
+
+
+def _start_heartbeat(status: np.ndarray, parent: int) -> None:
     def heartbeat():   # also: exit if the launcher is gone, so no worker outlives h2x
         while True:
             status[0] = time.time()
@@ -276,17 +281,31 @@ def main(argv=None) -> int:
             time.sleep(0.5)
 
     threading.Thread(target=heartbeat, daemon=True).start()
-    limit_torch_threads()
+
+
+def _token_batches(build: BuildDir, wid: int, data: str | None) -> TokenBatches | None:
+    """The micro-batches of tokens (first stage) and targets (last stage); None in between."""
     m = build.manifest
-    w = build.workers[a.worker]
-    needs_data = w["stage"] in (0, build.num_stages - 1)
-    data = TokenBatches(load_corpus(a.data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
+    needs_data = build.workers[wid]["stage"] in (0, build.num_stages - 1)
+    return TokenBatches(load_corpus(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
                         m["dp"], m["seed"]) if needs_data else None
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    emit = _event_writer(sys.stdout)
+    build = BuildDir(a.build)
+    W = len(build.workers)
+    pin_to_core(a.worker)
+    status = _status_slot(a.status, W, a.worker)
+    _start_heartbeat(status, os.getppid())
+    limit_torch_threads()
+    data = _token_batches(build, a.worker, a.data)
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)
     emit({"event": "ready", "worker": a.worker, "transport": getattr(comm, "transport", a.transport)})
-    worker = Worker(build, a.worker, comm, data, m["optimizer"], emit, status, a.device)
+    worker = Worker(build, a.worker, comm, data, build.manifest["optimizer"], emit, status, a.device)
     if a.resume_from:
         load_worker_checkpoint(Path(a.resume_from), worker)
     t_origin = float(os.environ.get("H2_T0", time.perf_counter()))

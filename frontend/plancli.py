@@ -16,12 +16,19 @@ import inspect
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backends.calibrate import ensure_calibration
 from backends.registry import measured_backends
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
+
+if TYPE_CHECKING:
+    from h2ir.clusters.cluster import Cluster
+    from h2ir.planner.search import Candidate, SearchResult
+    from h2ir.plans.plan import Plan
 
 DEFAULT_CLUSTER = "local"
 # build_model keyword arguments that name the model's maximum sequence length
@@ -120,13 +127,46 @@ def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) ->
     return model_costs(model, args, micro_batch, seq_len or _default_seq_len(model, args))
 
 
-def plan_report(a) -> dict:
-    from h2ir.clusters.clusterfile import load_cluster
-    from h2ir.plans.plan import Plan
-    from h2ir.planner.search import Candidate, hetero_speedup, search, uniform_plan
-    from h2ir.planner.simulate import simulate
-    from h2ir.schedule.trace import write_chrome_trace
+@dataclass
+class _PlanInputs:
+    """What `h2c plan` plans: a model's layer costs on a cluster at a batch shape."""
+    given: Plan | None              # the --plan FILE, if one was given
+    cluster: Cluster
+    calibration: object             # measured rates of the cluster's local backends, or None
+    costs: ModelCosts
+    seq_len: int
+    global_batch: int
+    model_name: str
 
+
+@dataclass
+class _PlanChoice:
+    """The plan to report and what was weighed to choose it."""
+    cand: Candidate
+    uniform: Candidate | None       # the uniform baseline, when it was costed
+    warnings: list
+    result: SearchResult | None     # the HeteroAuto search, when --plan auto
+    search_time_s: float
+
+
+def plan_report(a) -> dict:
+    """The `h2c plan` report for command line `a` (see the module docstring), as JSON data."""
+    inp = _plan_inputs(a)
+    choice = _choose_plan(a, inp)
+    plan, sim = choice.cand.plan, choice.cand.sim
+    if inp.given is None:
+        plan.model = inp.model_name
+        plan.cluster = a.cluster if not Path(a.cluster).suffix else inp.cluster.name
+    speedup = _hetero_speedup(a, inp, choice.cand)
+    text = _write_plan_outputs(a, plan, sim, inp.cluster)
+    rates = _chip_rates(inp, plan)
+    return _report_json(a, inp, choice, text, _stage_rows(plan, sim), rates, speedup)
+
+
+def _plan_inputs(a) -> _PlanInputs:
+    """Resolve the plan file, cluster (a.cluster is set to the one used), calibration, layer
+    costs and batch shape from the command line, in that order."""
+    from h2ir.clusters.clusterfile import load_cluster
     args = _model_args(a.arg)
     given: Plan | None = None
     if a.plan not in ("auto", "uniform"):
@@ -142,33 +182,48 @@ def plan_report(a) -> dict:
     seq_len = seq_len or costs.seq_len
     gb = a.global_batch or (given.global_batch if given else max(8, cluster.total_chips))
     model_name = a.model if Path(a.model).suffix == ".py" else costs.model
+    return _PlanInputs(given, cluster, cal, costs, seq_len, gb, model_name)
 
+
+def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
+    """The plan file as given (validated), the uniform split, or the HeteroAuto search; timed."""
+    from h2ir.planner.search import Candidate, search, uniform_plan
+    from h2ir.planner.simulate import simulate
+    costs, cluster, cal = inp.costs, inp.cluster, inp.calibration
     t0 = time.perf_counter()
     result = None
-    if given is not None:
+    if inp.given is not None:
         from h2ir.planner.validate import validate_plan
-        plan = given
+        plan = inp.given
         warnings = validate_plan(plan, costs, cluster)
         cand = Candidate(plan, float("nan"), "file", sim=simulate(costs, plan, cluster, cal))
         uniform = None
     elif a.plan == "uniform":
-        cand = uniform_plan(costs, cluster, gb, seq_len, a.micro_batch, a.schedule, calibration=cal)
+        cand = uniform_plan(costs, cluster, inp.global_batch, inp.seq_len, a.micro_batch,
+                            a.schedule, calibration=cal)
         uniform, warnings = cand, []
     else:
-        result = search(costs, cluster, gb, seq_len=seq_len, micro_batch=a.micro_batch,
-                        schedule=a.schedule, method=a.search, calibration=cal)
+        result = search(costs, cluster, inp.global_batch, seq_len=inp.seq_len,
+                        micro_batch=a.micro_batch, schedule=a.schedule, method=a.search,
+                        calibration=cal)
         cand, uniform, warnings = result.best, result.uniform, []
-    search_time = time.perf_counter() - t0
-    plan, sim = cand.plan, cand.sim
-    if given is None:
-        plan.model = model_name
-        plan.cluster = a.cluster if not Path(a.cluster).suffix else cluster.name
+    return _PlanChoice(cand, uniform, warnings, result, time.perf_counter() - t0)
 
-    speedup = None
-    if not a.no_speedup and len([c for c in cluster.chip_types if cluster.count(c)]) > 1:
-        speedup = hetero_speedup(costs, cluster, cand, schedule=plan.schedule, calibration=cal)
 
+def _hetero_speedup(a, inp: _PlanInputs, cand: Candidate):
+    """HeteroSpeedupRatio of `cand`, unless --no-speedup or the cluster has one chip type."""
+    from h2ir.planner.search import hetero_speedup
+    cluster = inp.cluster
+    if a.no_speedup or len([c for c in cluster.chip_types if cluster.count(c)]) <= 1:
+        return None
+    return hetero_speedup(inp.costs, cluster, cand, schedule=cand.plan.schedule,
+                          calibration=inp.calibration)
+
+
+def _write_plan_outputs(a, plan: Plan, sim, cluster: Cluster) -> str:
+    """The plan's .h2plan text; written with a header to -o, the predicted timeline to --trace."""
     from h2ir.plans.dsl import format_plan
+    from h2ir.schedule.trace import write_chrome_trace
     text = format_plan(plan)
     header = (f"# {plan.model} on {cluster.name}: predicted step {sim.step_time_s:.4g} s, "
               f"{sim.tokens_per_s:,.0f} tokens/s (h2c plan --plan {a.plan})\n")
@@ -177,10 +232,18 @@ def plan_report(a) -> dict:
     if a.trace:
         write_chrome_trace(a.trace, sim.events, sim.worker_names,
                            {"kind": "predicted", "plan": text, "step_time_s": sim.step_time_s})
+    return text
 
+
+def _chip_rates(inp: _PlanInputs, plan: Plan) -> dict:
+    """Compute rates of every chip type the plan uses, at its micro-batch shape."""
     from h2ir.planner.resource import ResourceModel
-    rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, cal)
-    rates = {c: rm.rates(c) for c in {s.chip for s in plan.stages}}
+    rm = ResourceModel(inp.costs, inp.cluster, plan.micro_batch, plan.seq_len, inp.calibration)
+    return {c: rm.rates(c) for c in {s.chip for s in plan.stages}}
+
+
+def _stage_rows(plan: Plan, sim) -> list[dict]:
+    """One report row per stage: its devices, layers, simulated times and memory."""
     stages = []
     for j, s in enumerate(plan.stages):
         st, mem = sim.stage_times[j], sim.stage_memory[j]
@@ -189,16 +252,23 @@ def plan_report(a) -> dict:
                        "fwd_s": st.fwd_s, "bwd_s": st.bwd_s,
                        "peak_mem_bytes": mem.total, "mem_capacity_bytes": mem.capacity,
                        "mem_items": mem.items, "inflight": mem.inflight})
+    return stages
 
-    def cand_json(c):
-        return {"kind": c.kind, "config": c.config.describe() if c.config else None,
-                "estimate_s": c.estimate_s, "step_time_s": c.step_time_s,
-                "tokens_per_s": c.tokens_per_s}
 
+def _candidate_json(c: Candidate) -> dict:
+    return {"kind": c.kind, "config": c.config.describe() if c.config else None,
+            "estimate_s": c.estimate_s, "step_time_s": c.step_time_s,
+            "tokens_per_s": c.tokens_per_s}
+
+
+def _report_json(a, inp: _PlanInputs, choice: _PlanChoice, text: str, stages: list, rates: dict,
+                 speedup) -> dict:
+    cluster, cand, result, uniform = inp.cluster, choice.cand, choice.result, choice.uniform
+    plan, sim = cand.plan, cand.sim
     return {
         "model": plan.model, "cluster": cluster.name, "dtype": cluster.dtype,
         "chips": {c: cluster.count(c) for c in cluster.chip_types if cluster.count(c)},
-        "plan_mode": a.plan, "plan_text": text, "warnings": warnings,
+        "plan_mode": a.plan, "plan_text": text, "warnings": choice.warnings,
         "global_batch": plan.global_batch, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
         "dp": plan.dp, "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
         "stages": stages,
@@ -212,12 +282,12 @@ def plan_report(a) -> dict:
         "hetero_speedup_ratio": speedup.ratio if speedup else None,
         "hetero_speedup_ratio_const_batch": speedup.ratio_const_batch if speedup else None,
         "speedup": speedup.to_json() if speedup else None,
-        "uniform": cand_json(uniform) if uniform is not None else None,
-        "search_time_s": search_time,
+        "uniform": _candidate_json(uniform) if uniform is not None else None,
+        "search_time_s": choice.search_time_s,
         "search": ({"method": result.method, "configs_total": result.configs_total,
                     "configs_searched": result.configs_searched, "dfs_nodes": result.dfs_nodes}
                    if result else None),
-        "runner_ups": [cand_json(c) for c in result.runner_ups] if result else [],
+        "runner_ups": [_candidate_json(c) for c in result.runner_ups] if result else [],
     }
 
 

@@ -82,20 +82,8 @@ def split_stages(cap: Capture, stage_layers: list[list[str]]):
     stage_of = _stage_of(cap, stage_layers)
     S = len(stage_layers)
     nodes = list(g.nodes)
-    out_node = next(n for n in nodes if n.op == "output")
-    model_outs = [a for a in (out_node.args[0] if isinstance(out_node.args[0], (tuple, list))
-                              else [out_node.args[0]])]
-    # defining stage of every activation (model inputs: -1)
-    defined = {n.name: -1 for n in nodes if n.op == "placeholder" and n.name in cap.inputs}
-    defined.update(stage_of)
-    last_use: dict[str, int] = {}
-    for n in nodes:
-        if n.op == "call_function":
-            for a in n.all_input_nodes:
-                if a.name in defined:
-                    last_use[a.name] = max(last_use.get(a.name, -1), stage_of[n.name])
-    for a in model_outs:
-        last_use[a.name] = S
+    model_outs = _model_outputs(nodes)
+    defined, last_use = _activation_lifetimes(cap, nodes, stage_of, model_outs, S)
     order = {n.name: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
 
@@ -107,39 +95,71 @@ def split_stages(cap: Capture, stage_layers: list[list[str]]):
     for s in range(S):
         ins = crossing(s) if s > 0 else [k for k in cap.inputs]
         outs = crossing(s + 1) if s < S - 1 else [a.name for a in model_outs]
-        fg = torch.fx.Graph()
-        env = {}
-        for k in ins:
-            env[k] = fg.placeholder(k)
-        used_params, used_bufs = [], []
         members = [n for n in nodes if stage_of.get(n.name) == s]
-        for n in members:
-            for a in n.all_input_nodes:
-                if a.name in cap.params and a.name not in env:
-                    env[a.name] = fg.placeholder(a.name)
-                    used_params.append(a.name)
-        for n in members:
-            for a in n.all_input_nodes:
-                if a.name in cap.buffers and a.name not in env:
-                    env[a.name] = fg.placeholder(a.name)
-                    used_bufs.append(a.name)
-        for n in members:
-            if _is_assert(n):
-                continue                  # runtime checks recorded on the meta device
-            c = fg.node_copy(n, lambda a: env[a.name])
-            # the capture ran on the meta device; programs are traced for real devices
-            c.args, c.kwargs = _off_meta(c.args), _off_meta(c.kwargs)
-            c.meta = dict(n.meta)
-            env[n.name] = c
-        passthrough = [k for k in outs if k in ins]
-        fg.output(tuple(env[k] for k in outs if k not in passthrough))
-        for k, n in env.items():          # placeholders carry the traced value's type too
-            src = by_name.get(k)
-            if src is not None and "val" in src.meta:
-                n.meta["val"] = src.meta["val"]
-        gm = torch.fx.GraphModule(torch.nn.Module(), fg)
-        stages.append((gm, ins, outs, passthrough, used_params, used_bufs))
+        stages.append(_stage_module(cap, members, ins, outs, by_name))
     return stages
+
+
+def _model_outputs(nodes: list) -> list:
+    out_node = next(n for n in nodes if n.op == "output")
+    return [a for a in (out_node.args[0] if isinstance(out_node.args[0], (tuple, list))
+                        else [out_node.args[0]])]
+
+
+def _activation_lifetimes(cap: Capture, nodes: list, stage_of: dict, model_outs: list, S: int):
+    """(defined, last_use): the stage that defines each activation (model inputs: -1) and the
+    last stage that reads it (model outputs: S, past the last stage)."""
+    defined = {n.name: -1 for n in nodes if n.op == "placeholder" and n.name in cap.inputs}
+    defined.update(stage_of)
+    last_use: dict[str, int] = {}
+    for n in nodes:
+        if n.op == "call_function":
+            for a in n.all_input_nodes:
+                if a.name in defined:
+                    last_use[a.name] = max(last_use.get(a.name, -1), stage_of[n.name])
+    for a in model_outs:
+        last_use[a.name] = S
+    return defined, last_use
+
+
+def _stage_module(cap: Capture, members: list, ins: list, outs: list, by_name: dict):
+    """(GraphModule, ins, outs, passthrough, params, buffers) of the stage made of `members`:
+    placeholders for its boundary inputs, then for the parameters and buffers it reads, then
+    copies of its nodes; it returns the outputs that are not passed through unchanged."""
+    fg = torch.fx.Graph()
+    env = {}
+    for k in ins:
+        env[k] = fg.placeholder(k)
+    used_params = _weight_placeholders(fg, env, members, cap.params)
+    used_bufs = _weight_placeholders(fg, env, members, cap.buffers)
+    for n in members:
+        if _is_assert(n):
+            continue                  # runtime checks recorded on the meta device
+        c = fg.node_copy(n, lambda a: env[a.name])
+        # the capture ran on the meta device; programs are traced for real devices
+        c.args, c.kwargs = _off_meta(c.args), _off_meta(c.kwargs)
+        c.meta = dict(n.meta)
+        env[n.name] = c
+    passthrough = [k for k in outs if k in ins]
+    fg.output(tuple(env[k] for k in outs if k not in passthrough))
+    for k, n in env.items():          # placeholders carry the traced value's type too
+        src = by_name.get(k)
+        if src is not None and "val" in src.meta:
+            n.meta["val"] = src.meta["val"]
+    gm = torch.fx.GraphModule(torch.nn.Module(), fg)
+    return gm, ins, outs, passthrough, used_params, used_bufs
+
+
+def _weight_placeholders(fg: torch.fx.Graph, env: dict, members: list, weights) -> list:
+    """Add a placeholder for each of `weights` (parameter or buffer names) that `members` read
+    and `env` lacks, in first-use order; their names."""
+    used = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a.name in weights and a.name not in env:
+                env[a.name] = fg.placeholder(a.name)
+                used.append(a.name)
+    return used
 
 
 def _val(cap: Capture, name: str):

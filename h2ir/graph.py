@@ -8,7 +8,7 @@ plan assigns; each layer knows its costs (`layer_costs`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 from h2ir import opset
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo
@@ -126,19 +126,43 @@ class Graph:
     # ---- costs -------------------------------------------------------------------------------
     def layer_costs(self) -> ModelCosts:
         """Per-layer costs for the planner (see h2ir/costs.py for what each figure means)."""
+        storage = self._storage_of()
+        not_activation = {id(v) for v in self.all_params() + self.consts}
+        last_use = self._last_layer_use()
+        layers = []
+        live: dict[int, Value] = {id(v): v for v in self.inputs}
+        for li, layer in enumerate(self.layers):
+            fwd, bwd = _layer_flops(layer)
+            saved = _saved_for_backward(layer, storage, not_activation)
+            for n in layer.nodes:
+                for v in n.outputs:
+                    live[id(v)] = v
+            # activations still read by a later layer (or the graph's outputs) leave this one
+            crossing = [v for k, v in live.items() if last_use.get(k, -1) > li]
+            live = {id(v): v for v in crossing}
+            layers.append(_layer_cost(layer, fwd, bwd, saved, crossing))
+        a = self.attrs
+        return ModelCosts(model=self.name, micro_batch=a.get("micro_batch", 1),
+                          seq_len=a.get("seq_len", 0), layers=tuple(layers),
+                          d_model=a.get("d_model", 0), n_heads=a.get("n_heads", 0),
+                          vocab=a.get("vocab", 0), dtype_bytes=a.get("dtype_bytes", 4))
+
+    def _storage_of(self) -> Callable[[Value], Value]:
+        """storage(v): the value whose buffer holds v. A view saved for backward keeps its base
+        alive, not a new buffer."""
         producer: dict[int, Node] = {}
         for n in self.nodes():
             for v in n.outputs:
                 producer[id(v)] = n
-        not_activation = {id(v) for v in self.all_params() + self.consts}
 
         def storage(v: Value) -> Value:
-            # A view saved for backward keeps its base alive, not a new buffer.
             while id(v) in producer and producer[id(v)].op in VIEW_OPS:
                 v = producer[id(v)].inputs[0]
             return v
+        return storage
 
-        # last layer index that reads each value
+    def _last_layer_use(self) -> dict[int, int]:
+        """id(value) -> index of the last layer that reads it (graph outputs: past the last)."""
         last_use: dict[int, int] = {}
         for li, layer in enumerate(self.layers):
             for n in layer.nodes:
@@ -146,46 +170,51 @@ class Graph:
                     last_use[id(v)] = li
         for v in self.outputs:
             last_use[id(v)] = len(self.layers)
+        return last_use
 
-        layers = []
-        live: dict[int, Value] = {id(v): v for v in self.inputs}
-        for li, layer in enumerate(self.layers):
-            fwd = bwd = 0
-            saved: dict[int, Value] = {}
-            for n in layer.nodes:
-                ins = [v.type if isinstance(v, Value) else v for v in n.inputs]
-                outs = [v.type for v in n.outputs]
-                f = n.opdef.flops(ins, outs, n.attrs)
-                fwd += f
-                bwd += int(f * n.opdef.bwd_factor)
-                for s in n.opdef.saves:
-                    idx = int(s[1:])
-                    src = n.inputs if s[0] == "i" else n.outputs
-                    if idx < len(src) and isinstance(src[idx], Value):
-                        base = storage(src[idx])
-                        if id(base) not in not_activation:
-                            saved[id(base)] = base
-                for v in n.outputs:
-                    live[id(v)] = v
-            crossing = [v for k, v in live.items() if last_use.get(k, -1) > li]
-            live = {id(v): v for v in crossing}
-            params = sum(p.type.numel for p in layer.params)
-            moe = None
-            if layer.kind == "moe_block":
-                a = layer.attrs
-                moe = MoEInfo(num_experts=a["experts"], top_k=a["top_k"], d_model=a["d_model"],
-                              d_ffn=a["d_ffn"], expert_params=a["expert_params"])
-            layers.append(LayerCost(
-                name=layer.name, kind=layer.kind, params=params,
-                param_bytes=sum(p.type.nbytes for p in layer.params),
-                fwd_flops=fwd, bwd_flops=bwd,
-                act_saved_bytes=sum(v.type.nbytes for v in saved.values()),
-                out_bytes=sum(v.type.nbytes for v in crossing), moe=moe))
-        a = self.attrs
-        return ModelCosts(model=self.name, micro_batch=a.get("micro_batch", 1),
-                          seq_len=a.get("seq_len", 0), layers=tuple(layers),
-                          d_model=a.get("d_model", 0), n_heads=a.get("n_heads", 0),
-                          vocab=a.get("vocab", 0), dtype_bytes=a.get("dtype_bytes", 4))
+
+def _saved_for_backward(layer: Layer, storage: Callable[[Value], Value],
+                        not_activation: set) -> dict[int, Value]:
+    """The activation buffers a layer's ops save for backward (the op set's `saves`), by id;
+    parameters and constants are not activations."""
+    saved: dict[int, Value] = {}
+    for n in layer.nodes:
+        for s in n.opdef.saves:
+            idx = int(s[1:])
+            src = n.inputs if s[0] == "i" else n.outputs
+            if idx < len(src) and isinstance(src[idx], Value):
+                base = storage(src[idx])
+                if id(base) not in not_activation:
+                    saved[id(base)] = base
+    return saved
+
+
+def _layer_flops(layer: Layer) -> tuple[int, int]:
+    """(forward, backward) FLOPs of a layer by the op set's cost rules."""
+    fwd = bwd = 0
+    for n in layer.nodes:
+        ins = [v.type if isinstance(v, Value) else v for v in n.inputs]
+        outs = [v.type for v in n.outputs]
+        f = n.opdef.flops(ins, outs, n.attrs)
+        fwd += f
+        bwd += int(f * n.opdef.bwd_factor)
+    return fwd, bwd
+
+
+def _layer_cost(layer: Layer, fwd: int, bwd: int, saved: dict[int, Value],
+                crossing: list[Value]) -> LayerCost:
+    """A layer's cost row: parameters, FLOPs, saved bytes, the bytes crossing its end, MoE shape."""
+    moe = None
+    if layer.kind == "moe_block":
+        a = layer.attrs
+        moe = MoEInfo(num_experts=a["experts"], top_k=a["top_k"], d_model=a["d_model"],
+                      d_ffn=a["d_ffn"], expert_params=a["expert_params"])
+    return LayerCost(
+        name=layer.name, kind=layer.kind, params=sum(p.type.numel for p in layer.params),
+        param_bytes=sum(p.type.nbytes for p in layer.params),
+        fwd_flops=fwd, bwd_flops=bwd,
+        act_saved_bytes=sum(v.type.nbytes for v in saved.values()),
+        out_bytes=sum(v.type.nbytes for v in crossing), moe=moe)
 
 
 def infer_types(op: str, inputs: list, attrs: dict) -> list[TensorType]:

@@ -248,46 +248,15 @@ def render_check_ops(runs: list[Run], per_op: int = 3) -> str:
     """One summary row per command; then max abs / max rel error per op for the first `per_op`
     commands. A per-op "reference" field (check_ops may name a reference per backend) is shown
     when present; commands whose JSON has none show "not reported"."""
-    reports = []
-    for r in runs:
-        if r.rc in (0, 1):          # 1: some op failed; the JSON report is still complete
-            reports.append((r, parse_json(r)))
-        else:
-            reports.append((r, None))
-    if all(rep is None for _, rep in reports):
-        raise RegionFailed(runs[0].why_failed())
-
+    reports = _check_ops_reports(runs)
     cmds = "\n".join(r.shown for r in runs)
     summary, notes = [], []
     for r, rep in reports:
         if rep is None:
-            opt = lambda flag, default: r.args[r.args.index(flag) + 1] if flag in r.args else default
-            summary.append([opt("--backend", "?"), opt("--dtype", "f32"), "—", "—", "—", "—",
-                            f"not run: {r.why_failed()}", ""])
+            summary.append(_not_run_row(r))
             continue
-        ops = rep.get("ops", [])
-        failed = [o for o in ops if not o.get("pass")]
-        refs = _references(ops)
-        ref = rep.get("reference") or (", ".join(f"{k} ({n})" if len(refs) > 1 else k
-                                                 for k, n in refs.items()) if refs else "not reported")
-        wa = max(ops, key=lambda o: o.get("max_abs", 0.0), default=None)
-        wr = max(ops, key=lambda o: o.get("max_rel", 0.0), default=None)
-        cov = rep.get("coverage", {})
-        summary.append([rep.get("backend"), rep.get("dtype"), ref,
-                        f"{len(ops)} ({cov.get('implemented', '?')}/{cov.get('total', '?')} implemented)",
-                        len(ops) - len(failed),
-                        ", ".join(o["op"] for o in failed) if failed else "0",
-                        f"{_e(wa['max_abs'])} ({wa['op']})" if wa else "—",
-                        f"{_e(wr['max_rel'])} ({wr['op']})" if wr else "—"])
-        notes += [f"- {rep.get('backend')} {rep.get('dtype')}, {o['op']}: {o['error']}"
-                  for o in ops if o.get("error")]
-        if rep.get("reference_gaps"):
-            notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: the reference library lacks "
-                         f"{', '.join(rep['reference_gaps'])}; checked against another reference")
-        dependent = [o["op"] for o in ops if o.get("reference_independent") is False]
-        if dependent:
-            notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: reference not independent of "
-                         f"the tested library for {', '.join(dependent)}")
+        summary.append(_summary_row(rep))
+        notes += _report_notes(rep)
     out = [fenced(cmds), "",
            table(["backend", "dtype", "reference", "ops checked", "passed", "failed",
                   "worst max abs err (op)", "worst max rel err (op)"], summary)]
@@ -296,29 +265,88 @@ def render_check_ops(runs: list[Run], per_op: int = 3) -> str:
 
     shown = [(r, rep) for r, rep in reports[:per_op] if rep is not None]
     if shown:
-        names, by = [], []
-        for _, rep in shown:
-            d = {o["op"]: o for o in rep.get("ops", [])}
-            by.append(d)
-            names += [n for n in d if n not in names]
-        ref_cols = [i for i, (_, rep) in enumerate(shown) if len(_references(rep.get("ops", []))) > 1]
-        head = ["op"]
-        for i, (_, rep) in enumerate(shown):
-            head.append(f"{rep.get('backend')} {rep.get('dtype')}: max abs / max rel")
-            if i in ref_cols:
-                head.append(f"{rep.get('backend')} {rep.get('dtype')}: reference")
-        rows = []
-        for n in names:
-            row = [n]
-            for i, d in enumerate(by):
-                o = d.get(n)
-                row.append("—" if o is None else f"{_e(o['max_abs'])} / {_e(o['max_rel'])}"
-                           + ("" if o.get("pass") else " **FAIL**"))
-                if i in ref_cols:
-                    row.append(o.get("reference", "") if o else "")
-            rows.append(row)
+        head, rows = _per_op_table([rep for _, rep in shown])
         out += ["", f"Per op, the first {len(shown)} commands above:", "", table(head, rows)]
     return "\n".join(out)
+
+
+def _check_ops_reports(runs: list[Run]) -> list[tuple]:
+    """(run, its JSON report, or None when it did not finish); fails when none finished."""
+    reports = []
+    for r in runs:
+        if r.rc in (0, 1):          # 1: some op failed; the JSON report is still complete
+            reports.append((r, parse_json(r)))
+        else:
+            reports.append((r, None))
+    if all(rep is None for _, rep in reports):
+        raise RegionFailed(runs[0].why_failed())
+    return reports
+
+
+def _not_run_row(r: Run) -> list:
+    opt = lambda flag, default: r.args[r.args.index(flag) + 1] if flag in r.args else default
+    return [opt("--backend", "?"), opt("--dtype", "f32"), "—", "—", "—", "—",
+            f"not run: {r.why_failed()}", ""]
+
+
+def _summary_row(rep: dict) -> list:
+    """backend, dtype, reference(s), ops checked, passed, failed, worst abs and rel error."""
+    ops = rep.get("ops", [])
+    failed = [o for o in ops if not o.get("pass")]
+    refs = _references(ops)
+    ref = rep.get("reference") or (", ".join(f"{k} ({n})" if len(refs) > 1 else k
+                                             for k, n in refs.items()) if refs else "not reported")
+    wa = max(ops, key=lambda o: o.get("max_abs", 0.0), default=None)
+    wr = max(ops, key=lambda o: o.get("max_rel", 0.0), default=None)
+    cov = rep.get("coverage", {})
+    return [rep.get("backend"), rep.get("dtype"), ref,
+            f"{len(ops)} ({cov.get('implemented', '?')}/{cov.get('total', '?')} implemented)",
+            len(ops) - len(failed),
+            ", ".join(o["op"] for o in failed) if failed else "0",
+            f"{_e(wa['max_abs'])} ({wa['op']})" if wa else "—",
+            f"{_e(wr['max_rel'])} ({wr['op']})" if wr else "—"]
+
+
+def _report_notes(rep: dict) -> list[str]:
+    """Bullets for a report's op errors, reference gaps and non-independent references."""
+    ops = rep.get("ops", [])
+    notes = [f"- {rep.get('backend')} {rep.get('dtype')}, {o['op']}: {o['error']}"
+             for o in ops if o.get("error")]
+    if rep.get("reference_gaps"):
+        notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: the reference library lacks "
+                     f"{', '.join(rep['reference_gaps'])}; checked against another reference")
+    dependent = [o["op"] for o in ops if o.get("reference_independent") is False]
+    if dependent:
+        notes.append(f"- {rep.get('backend')} {rep.get('dtype')}: reference not independent of "
+                     f"the tested library for {', '.join(dependent)}")
+    return notes
+
+
+def _per_op_table(reps: list[dict]) -> tuple[list, list]:
+    """(head, rows): one row per op of any report, a max abs / max rel column per report, and
+    a reference column for each report that used more than one reference."""
+    names, by = [], []
+    for rep in reps:
+        d = {o["op"]: o for o in rep.get("ops", [])}
+        by.append(d)
+        names += [n for n in d if n not in names]
+    ref_cols = [i for i, rep in enumerate(reps) if len(_references(rep.get("ops", []))) > 1]
+    head = ["op"]
+    for i, rep in enumerate(reps):
+        head.append(f"{rep.get('backend')} {rep.get('dtype')}: max abs / max rel")
+        if i in ref_cols:
+            head.append(f"{rep.get('backend')} {rep.get('dtype')}: reference")
+    rows = []
+    for n in names:
+        row = [n]
+        for i, d in enumerate(by):
+            o = d.get(n)
+            row.append("—" if o is None else f"{_e(o['max_abs'])} / {_e(o['max_rel'])}"
+                       + ("" if o.get("pass") else " **FAIL**"))
+            if i in ref_cols:
+                row.append(o.get("reference", "") if o else "")
+        rows.append(row)
+    return head, rows
 
 
 # ---- the op-set counts (run as a command, so the doc cites something runnable) --------------------

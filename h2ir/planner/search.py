@@ -342,88 +342,21 @@ class StageLine:
         able to hold the remaining layers under that cap; (4) with k = 1, a (stage, start)
         reached again with no less spent and no faster slowest stage is dominated (this ignores
         the small optimizer/all-reduce tail, so it is used only on long lines)."""
-        S, L, m = self.S, self.L, self.m
-        gpipe = self.schedule == "gpipe"
-        memo = k == 1 and S > 8
-        lb_sum = self.lb_sum
-        best: list = []                    # sorted (estimate, bounds), at most k
-        nodes = [0]
-        seen: dict = {}
-        ends = [0] * (S + 1)
-        ends[S] = L
-
-        def limit():
-            # splits within REL_TOL of the k-th best are not worth the nodes: equal stages
-            # give many splits that differ only in the optimizer tail
-            return (best[-1][0] if len(best) >= k else bound) * (1 - REL_TOL)
-
-        def offer(est, bnds):
-            if est < (best[-1][0] if len(best) >= k else bound) and all(b != bnds for _, b in best):
-                bisect.insort(best, (est, bnds))
-                del best[k:]
-
+        bb = _LayerSplitSearch(self, bound, node_budget, k)
         inc = incumbent if incumbent is not None else (self.min_bottleneck() or (None, None))[1]
         if inc is not None:
             e = self.estimate(inc)
             if e is not None:
-                offer(e[0], tuple(inc))
-        if m == 1:
-            self._small_m(offer)
-            return [x for x in best if x[0] < bound], 1
-        if not best and bound == math.inf:
+                bb.offer(e[0], tuple(inc))
+        if self.m == 1:
+            self._small_m(bb.offer)
+            return bb.below_bound(), 1
+        if not bb.best and bound == math.inf:
             return [], 0                       # nothing fits: the bottleneck packing failed
-        cap0 = (limit() - lb_sum[0][0]) / (m - 1)
-        starts = self._earliest_starts(cap0 * (1 + 1e-9))
-
-        def dominated(j, a, acc, mx):
-            lst = seen.get((j, a))
-            if lst is None:
-                seen[(j, a)] = [(acc, mx)]
-                return False
-            for acc2, mx2 in lst:
-                if acc2 <= acc and all(x2 <= x for x2, x in zip(mx2, mx)):
-                    return True
-            lst[:] = [(acc2, mx2) for acc2, mx2 in lst
-                      if not (acc <= acc2 and all(x <= x2 for x, x2 in zip(mx, mx2)))]
-            lst.append((acc, mx))
-            return False
-
-        def dfs(j, a, acc, mx):
-            nodes[0] += 1
-            if nodes[0] > node_budget:
-                return
-            kd = self.kinds[j]
-            lim = limit()
-            cap = (lim - acc - lb_sum[j][a]) / (m - 1)
-            if (mx[0] + mx[1] if gpipe else mx[0]) > cap:
-                return
-            if j == S - 1:
-                if kd.time(a, L) <= cap * (1 + 1e-12):
-                    ends[j] = a
-                    e = self.estimate(ends)
-                    if e is not None:
-                        offer(e[0], tuple(ends))
-                return
-            ends[j] = a
-            hi = min(kd.furthest(a, cap * (1 + 1e-12)), L - (S - 1 - j))
-            lo = max(a + 1, starts[j + 1])
-            for b in range(hi, lo - 1, -1):
-                r = kd.stage(a, b)
-                if r is None:
-                    continue
-                f, bw, _ = r
-                acc2 = acc + f + bw + 2 * self.comm(j, b)
-                mx2 = (max(mx[0], f), max(mx[1], bw)) if gpipe else (max(mx[0], f + bw),)
-                paced = mx2[0] + mx2[1] if gpipe else mx2[0]
-                if acc2 + lb_sum[j + 1][b] + (m - 1) * paced >= limit():
-                    continue
-                if memo and dominated(j + 1, b, acc2, mx2):
-                    continue
-                dfs(j + 1, b, acc2, mx2)
-                ends[j] = a
-
-        dfs(0, 0, 0.0, (0.0, 0.0) if gpipe else (0.0,))
-        return [x for x in best if x[0] < bound], nodes[0]
+        cap0 = (bb.limit() - bb.lb_sum[0][0]) / (self.m - 1)
+        bb.starts = self._earliest_starts(cap0 * (1 + 1e-9))
+        bb.dfs(0, 0, 0.0, (0.0, 0.0) if bb.gpipe else (0.0,))
+        return bb.below_bound(), bb.nodes
 
     def _small_m(self, offer):
         """m = 1: no pacing term, the estimate is a sum; a plain DP over (stage, start) is exact
@@ -515,6 +448,91 @@ class StageLine:
         return Plan(model=costs_model, cluster=cluster.name, global_batch=global_batch,
                     micro_batch=self.config.micro_batch, seq_len=seq_len, stages=stages,
                     dp=self.dp, schedule=self.schedule, moe=moe)
+
+
+class _LayerSplitSearch:
+    """The state of one `StageLine.best_split`: the best k layer splits so far (sorted, as
+    (estimate, bounds)), the nodes visited, the dominance memo and the stage ends of the
+    current DFS path."""
+
+    def __init__(self, line: StageLine, bound: float, node_budget: int, k: int):
+        self.line, self.bound, self.node_budget, self.k = line, bound, node_budget, k
+        self.gpipe = line.schedule == "gpipe"
+        self.memo = k == 1 and line.S > 8
+        self.lb_sum = line.lb_sum
+        self.best: list = []               # sorted (estimate, bounds), at most k
+        self.nodes = 0
+        self.seen: dict = {}               # (stage, start) -> undominated (spent, slowest stage)
+        self.ends = [0] * (line.S + 1)
+        self.ends[line.S] = line.L
+        self.starts: list = []             # earliest start of each stage under the first cap
+
+    def limit(self) -> float:
+        # splits within REL_TOL of the k-th best are not worth the nodes: equal stages
+        # give many splits that differ only in the optimizer tail
+        best = self.best
+        return (best[-1][0] if len(best) >= self.k else self.bound) * (1 - REL_TOL)
+
+    def offer(self, est, bnds):
+        best = self.best
+        worst = best[-1][0] if len(best) >= self.k else self.bound
+        if est < worst and all(b != bnds for _, b in best):
+            bisect.insort(best, (est, bnds))
+            del best[self.k:]
+
+    def below_bound(self) -> list:
+        return [x for x in self.best if x[0] < self.bound]
+
+    def dominated(self, j, a, acc, mx) -> bool:
+        lst = self.seen.get((j, a))
+        if lst is None:
+            self.seen[(j, a)] = [(acc, mx)]
+            return False
+        for acc2, mx2 in lst:
+            if acc2 <= acc and all(x2 <= x for x2, x in zip(mx2, mx)):
+                return True
+        lst[:] = [(acc2, mx2) for acc2, mx2 in lst
+                  if not (acc <= acc2 and all(x <= x2 for x, x2 in zip(mx, mx2)))]
+        lst.append((acc, mx))
+        return False
+
+    def dfs(self, j, a, acc, mx):
+        """Stage j starts at layer a, having spent acc; mx: its slowest stage so far ((fwd,
+        bwd) maxima under GPipe, fwd + bwd under 1F1B)."""
+        self.nodes += 1
+        if self.nodes > self.node_budget:
+            return
+        line, lb_sum, gpipe, ends = self.line, self.lb_sum, self.gpipe, self.ends
+        S, L, m = line.S, line.L, line.m
+        kd = line.kinds[j]
+        lim = self.limit()
+        cap = (lim - acc - lb_sum[j][a]) / (m - 1)
+        if (mx[0] + mx[1] if gpipe else mx[0]) > cap:
+            return
+        if j == S - 1:
+            if kd.time(a, L) <= cap * (1 + 1e-12):
+                ends[j] = a
+                e = line.estimate(ends)
+                if e is not None:
+                    self.offer(e[0], tuple(ends))
+            return
+        ends[j] = a
+        hi = min(kd.furthest(a, cap * (1 + 1e-12)), L - (S - 1 - j))
+        lo = max(a + 1, self.starts[j + 1])
+        for b in range(hi, lo - 1, -1):
+            r = kd.stage(a, b)
+            if r is None:
+                continue
+            f, bw, _ = r
+            acc2 = acc + f + bw + 2 * line.comm(j, b)
+            mx2 = (max(mx[0], f), max(mx[1], bw)) if gpipe else (max(mx[0], f + bw),)
+            paced = mx2[0] + mx2[1] if gpipe else mx2[0]
+            if acc2 + lb_sum[j + 1][b] + (m - 1) * paced >= self.limit():
+                continue
+            if self.memo and self.dominated(j + 1, b, acc2, mx2):
+                continue
+            self.dfs(j + 1, b, acc2, mx2)
+            ends[j] = a
 
 
 # ----------------------------------------------------------------------------------------------
