@@ -19,12 +19,22 @@ SUBCOMMANDS = {
 
 
 def run_main(argv: list[str]) -> int:
+    from executor.data import FORMATS, MAX_BYTES
     from executor.launcher import run
     ap = argparse.ArgumentParser(prog="h2x run", description="Train from a build directory.")
     ap.add_argument("build", help="build directory written by `h2c compile`")
     ap.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
-    ap.add_argument("--data", default=None, help="text file or directory (default: the Python "
-                    "standard library's source files)")
+    ap.add_argument("--data", default=None, metavar="PATH", help="a text file or directory, or a "
+                    "token file (default: the Python standard library's source files)")
+    ap.add_argument("--data-format", default="auto", choices=FORMATS,
+                    help="auto (default): .bin/.u16 -> tokens-u16, .u32 -> tokens-u32, else text "
+                    "with --tokenizer, else bytes; tokens-u16/-u32: a flat little-endian id array "
+                    "(memory-mapped); text: tokenized with --tokenizer; bytes: byte values")
+    ap.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                    help="the model's tokenizer.json (the `tokenizers` library) for text data")
+    ap.add_argument("--data-max-bytes", type=int, default=MAX_BYTES, metavar="N",
+                    help=f"read at most the first N bytes of text (default {MAX_BYTES}); token "
+                    "files are memory-mapped whole")
     ap.add_argument("--json-log", default=None, help="write one JSON object per step to FILE")
     ap.add_argument("--trace", default=None, help="write the measured Chrome/Perfetto trace to FILE")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
@@ -36,7 +46,8 @@ def run_main(argv: list[str]) -> int:
     ap.add_argument("--device", default=None, help="torch device for torch-backend stages "
                     "(default: the one compiled in, e.g. cpu)")
     a = ap.parse_args(argv)
-    run(a.build, steps=a.steps, data=a.data, json_log=a.json_log, trace=a.trace,
+    run(a.build, steps=a.steps, data=a.data, data_format=a.data_format, tokenizer=a.tokenizer,
+        data_max_bytes=a.data_max_bytes, json_log=a.json_log, trace=a.trace,
         checkpoint_every=a.checkpoint_every, resume=a.resume, transport=a.transport,
         strict_transport=a.strict_transport, timeout=a.timeout, device=a.device)
     return 0

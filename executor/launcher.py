@@ -25,6 +25,7 @@ from backends.registry import measured_backends
 from executor import dicomm
 from executor.build import BuildDir
 from executor.checkpoint import latest_complete, mark_complete
+from executor.data import prepare_data
 from executor.worker import STATUS_FIELDS
 from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import H2Error
@@ -155,8 +156,7 @@ def _start_workers(build: BuildDir, *, steps, start, resume_from, transport, che
                "--transport", transport, "--status", str(status_path), "--run-dir", str(run_dir),
                "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(ckpt_dir),
                "--timeout", str(timeout)] + (["--device", device] if device else [])
-        if data:
-            cmd += ["--data", data]
+        cmd += data.worker_args()
         if resume_from:
             cmd += ["--resume-from", str(resume_from)]
         err = open(run_dir / f"stderr_w{w}.txt", "w")
@@ -268,17 +268,21 @@ def _predict(build: BuildDir, out) -> SimResult | None:
 def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
         trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
         transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
-        device: str | None = None, out=print, predict: bool = True) -> RunResult:
+        device: str | None = None, out=print, predict: bool = True, data_format: str = "auto",
+        tokenizer: str | None = None, data_max_bytes: int | None = None) -> RunResult:
     build = BuildDir(build_path)
     transport = _pick_transport(transport, strict_transport, out)
     start, resume_from = _resume_point(build.path / "ckpt", resume, out)
     if start >= steps:
         out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
         return RunResult()
+    # checked (and text tokenized) here, so bad data is a located error before any worker starts
+    data_spec = prepare_data(build.manifest, build.path / "data", data, data_format, tokenizer,
+                             data_max_bytes, out)
     sim = _predict(build, out) if predict else None
     run_ = _start_workers(build, steps=steps, start=start, resume_from=resume_from,
                           transport=transport, checkpoint_every=checkpoint_every, timeout=timeout,
-                          device=device, data=data, out=out)
+                          device=device, data=data_spec, out=out)
     result = RunResult(transport=transport)
     log_f = open(json_log, "w") if json_log else None
     try:

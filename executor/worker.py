@@ -32,7 +32,7 @@ from backends.base import run_program
 from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
-from executor.data import TokenBatches, load_corpus
+from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
 from h2ir.schedule.interpret import StreamInterpreter
 from h2ir.types import FLOAT_DTYPES, TensorType, dtype_of_host, host_dtype
@@ -244,6 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--data", default=None)
+    ap.add_argument("--data-format", default="bytes")       # resolved by the launcher
+    ap.add_argument("--data-max-bytes", type=int, default=MAX_BYTES)
     ap.add_argument("--status", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=0)
@@ -283,12 +285,12 @@ def _start_heartbeat(status: np.ndarray, parent: int) -> None:
     threading.Thread(target=heartbeat, daemon=True).start()
 
 
-def _token_batches(build: BuildDir, wid: int, data: str | None) -> TokenBatches | None:
+def _token_batches(build: BuildDir, wid: int, data: DataSpec) -> TokenBatches | None:
     """The micro-batches of tokens (first stage) and targets (last stage); None in between."""
     m = build.manifest
     needs_data = build.workers[wid]["stage"] in (0, build.num_stages - 1)
-    return TokenBatches(load_corpus(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
-                        m["dp"], m["seed"]) if needs_data else None
+    return TokenBatches(open_tokens(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
+                        m["dp"], m["seed"], name=data.path) if needs_data else None
 
 
 def main(argv=None) -> int:
@@ -300,7 +302,7 @@ def main(argv=None) -> int:
     status = _status_slot(a.status, W, a.worker)
     _start_heartbeat(status, os.getppid())
     limit_torch_threads()
-    data = _token_batches(build, a.worker, a.data)
+    data = _token_batches(build, a.worker, DataSpec(a.data, a.data_format, a.data_max_bytes))
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)
