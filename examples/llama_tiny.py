@@ -1,4 +1,5 @@
-"""A tiny LLaMA-style decoder (RMSNorm, rotary embeddings, causal SDPA, SwiGLU, untied head).
+"""A tiny LLaMA-style decoder (RMSNorm, rotary embeddings, causal SDPA, SwiGLU; head untied unless
+`tie=true`).
 
 Defaults: d=256, 8 layers, 8 heads, FFN 688, vocab 8192 (~6.4 M parameters) — trains on a CPU in
 well under a second per step. Model-file convention: `build_model(**kwargs)`; `example_inputs` and
@@ -93,6 +94,9 @@ class Llama(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(vocab=8192, dim=256, n_layers=8, n_heads=8, ffn=688, max_seq=1024):
-    return Llama(vocab=int(vocab), dim=int(dim), n_layers=int(n_layers), n_heads=int(n_heads),
-                 ffn=int(ffn), max_seq=int(max_seq))
+def build_model(vocab=8192, dim=256, n_layers=8, n_heads=8, ffn=688, max_seq=1024, tie=False):
+    model = Llama(vocab=int(vocab), dim=int(dim), n_layers=int(n_layers), n_heads=int(n_heads),
+                  ffn=int(ffn), max_seq=int(max_seq))
+    if tie:      # one parameter for the embedding and the LM head (as GPT-2 and Gemma do)
+        model.head.weight = model.embed.weight
+    return model

@@ -1,6 +1,7 @@
 """Checkpoints: per worker, weights and optimizer state as safetensors plus msgpack metadata.
 
-    ckpt/step_00000010/w0.safetensors    param.<name>, exp_avg.<name>, exp_avg_sq.<name>
+    ckpt/step_00000010/w0.safetensors    param.<name>, exp_avg.<name>, exp_avg_sq.<name> (no
+                                         optimizer state for a tied parameter's copy)
     ckpt/step_00000010/w0.msgpack        {step, data_position, opt_steps, rng}
     ckpt/step_00000010/COMPLETE          written by h2x once every worker's files are in place
 
@@ -38,6 +39,7 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> None:
     tensors = {}
     for k in worker.param_names:
         tensors[f"param.{k}"] = np.ascontiguousarray(be.to_numpy(worker.params[k]))
+    for k in worker.opt_names:       # a tied parameter's copy has no optimizer state of its own
         tensors[f"exp_avg.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg[k]))
         tensors[f"exp_avg_sq.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg_sq[k]))
     _atomic_write(d / f"w{worker.wid}.safetensors", lambda p: save_file(tensors, str(p)))
@@ -56,12 +58,13 @@ def load_worker_checkpoint(d: Path, worker) -> None:
     except (OSError, ValueError, msgpack.ExtraData) as e:
         raise H2Error(f"cannot read checkpoint: {e}", str(f)) from None
     be = worker.be
-    for k in worker.param_names:
-        for table, prefix in ((worker.params, "param."), (worker.exp_avg, "exp_avg."),
-                              (worker.exp_avg_sq, "exp_avg_sq.")):
-            if prefix + k not in tensors:
-                raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
-            table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
+    wanted = [(worker.params, "param.", k) for k in worker.param_names]
+    wanted += [(table, prefix, k) for k in worker.opt_names
+               for table, prefix in ((worker.exp_avg, "exp_avg."), (worker.exp_avg_sq, "exp_avg_sq."))]
+    for table, prefix, k in wanted:
+        if prefix + k not in tensors:
+            raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
+        table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
     worker.opt_steps = meta["opt_steps"]
 
 

@@ -62,8 +62,15 @@ class Worker(StreamInterpreter):
         self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.weights)).items()}
         self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.consts)).items()}
         self.param_names = list(self.sig["params"])
-        self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
-        self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(v).shape), "f32") for k, v in self.params.items()}
+        # tied parameters (h2ir/schedule/streams.py): copies held here are updated by their owner
+        tied = build.manifest["stages"][self.stage_idx].get("tied") or {}
+        self.tied_copies = list(tied.get("copies", []))
+        self.tied_shared = {int(s): list(ps) for s, ps in tied.get("shared", {}).items()}
+        self.opt_names = [k for k in self.param_names if k not in self.tied_copies]
+        self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
+                        for k in self.opt_names}
+        self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
+                           for k in self.opt_names}
         self.opt_steps = 0
         self.in_types = {k: TensorType.parse(v) for k, v in self.sig["input_types"].items()}
         self.out_types = {k: TensorType.parse(v) for k, v in self.sig["output_types"].items()}
@@ -175,8 +182,31 @@ class Worker(StreamInterpreter):
             got[k] = self.be.from_numpy(a, self._type_of(k).dtype)
         self.grads_out[ins.mb] = got
 
+    # ---- tied parameters -----------------------------------------------------------------------
+    def send_tied_grads(self, ins):
+        for k in self.tied_copies:
+            self.comm.send(ins.peer, np.ascontiguousarray(self.be.to_numpy(self._grad(k))),
+                           kind=f"tied_grad:{k}", mb=0, stage=self.stage_idx)
+
+    def recv_tied_grads(self, ins):
+        add = self.be.ops["add"]
+        for k in self.tied_shared[ins.peer % self.S]:
+            a = self.comm.recv(ins.peer, kind=f"tied_grad:{k}", mb=0)
+            self.param_grads[k] = add(self._grad(k), self.be.from_numpy(a, "f32"))
+            self.owned_grads.add(k)
+
+    def send_tied_params(self, ins):
+        for k in self.tied_shared[ins.peer % self.S]:
+            self.comm.send(ins.peer, np.ascontiguousarray(self.be.to_numpy(self.params[k])),
+                           kind=f"tied_param:{k}", mb=0, stage=self.stage_idx)
+
+    def recv_tied_params(self, ins):
+        for k in self.tied_copies:
+            a = self.comm.recv(ins.peer, kind=f"tied_param:{k}", mb=0)
+            self.params[k] = self.be.from_numpy(np.array(a), "f32")
+
     def all_reduce(self, ins):
-        names = [k for k in self.param_names]
+        names = list(self.opt_names)
         arrs = [np.ascontiguousarray(self.be.to_numpy(self._grad(k))) for k in names]
         self.comm.all_reduce(arrs, group=list(ins.group), op="avg")
         for k, a in zip(names, arrs):
@@ -190,7 +220,7 @@ class Worker(StreamInterpreter):
     def opt_step(self, ins):
         self.opt_steps += 1
         o = self.opt
-        names = self.param_names
+        names = self.opt_names
         self.be.adamw_step([self.params[k] for k in names], [self._grad(k) for k in names],
                            [self.exp_avg[k] for k in names], [self.exp_avg_sq[k] for k in names],
                            self.opt_steps, o["lr"], o["betas"][0], o["betas"][1], o["eps"],

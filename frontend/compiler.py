@@ -44,7 +44,7 @@ from h2ir.planner.simulate import SimResult, simulate_build
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
 from h2ir.schedule.grid import format_grid
-from h2ir.schedule.streams import build_streams, format_stream
+from h2ir.schedule.streams import build_streams, format_stream, tied_stage_groups
 from h2ir.text import print_graph
 
 FORMAT = "h2-build/1"
@@ -236,9 +236,28 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
     return stages_meta
 
 
-def _write_streams(out: Path, plan, stages_meta) -> tuple[dict, list[dict]]:
+def _tied_stage_meta(costs, plan, progs) -> list[dict | None]:
+    """Per stage, what the workers need of tied parameters: the copies it holds (updated by
+    their owner stage) and, on an owner, the parameters it shares with each holder stage."""
+    stage_of = {l: s for s, st in enumerate(plan.stages) for l in st.layers}
+    meta: list[dict] = [{"copies": [], "shared": {}} for _ in plan.stages]
+    for t in costs.ties:
+        owner = stage_of[t.owner]
+        for s in sorted({stage_of[u] for u in t.users} - {owner}):
+            if t.name not in progs[s].params:
+                raise H2Error(f"internal: stage {s} reads tied parameter {t.name} but its "
+                              "program does not take it")
+            meta[s]["copies"].append(t.name)
+            meta[s]["owner"] = owner
+            meta[owner]["shared"].setdefault(str(s), []).append(t.name)
+    return [m if m["copies"] or m["shared"] else None for m in meta]
+
+
+def _write_streams(out: Path, plan, costs, stages_meta) -> tuple[dict, list[dict]]:
     """One instruction-stream file per worker; returns the streams and the manifest's workers."""
-    streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp)
+    ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
+    streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp,
+                            ties=ties)
     workers = []
     for w, instrs in streams.items():
         r, s = divmod(w, len(plan.stages))
@@ -294,9 +313,11 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         shutil.copyfile(cluster.source, out / "cluster.toml")
     (out / "model.h2ir").write_text(print_graph(cap.graph))
     stages_meta = _write_stages(out, progs, plan, cluster, dry_run, log)
+    for m, tied in zip(stages_meta, _tied_stage_meta(costs, plan, progs)):
+        m["tied"] = tied
     if not dry_run:
         _write_weights(cap, progs, model_path, model_args, seed, out)
-    streams, workers = _write_streams(out, plan, stages_meta)
+    streams, workers = _write_streams(out, plan, costs, stages_meta)
     sim = simulate_build(costs, plan, cluster, cal, streams)
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,

@@ -359,8 +359,11 @@ def _join_forward_layer(fwd: Graph, s: int, lp: _LayerProgram, env: dict) -> Lay
                           f"{g.layers[0].name if g.layers else '?'} is not defined")
     layer = Layer(g.layers[0].name if g.layers else lp.out_names[0], "program")
     for gl in g.layers:
-        layer.params += gl.params
         for p in gl.params:
+            if p.name in env:          # a tied parameter an earlier layer of the stage owns
+                layer.attrs.setdefault("tied", []).append(p.name)
+                continue
+            layer.params.append(p)
             env[p.name] = p
         for n in gl.nodes:
             n.inputs = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]

@@ -34,6 +34,16 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class TiedParam:
+    """One parameter read by several layers (an embedding tied to the LM head): it stays one
+    logical parameter, owned (and updated) by its first layer."""
+    name: str
+    nbytes: int
+    owner: str                  # the layer that owns it: its first user
+    users: tuple[str, ...]      # the other layers that read it
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     model: str
     micro_batch: int
@@ -43,6 +53,7 @@ class ModelCosts:
     n_heads: int = 0
     vocab: int = 0
     dtype_bytes: int = 4        # bytes per parameter/activation element as traced
+    ties: tuple[TiedParam, ...] = ()
 
     @property
     def total_params(self) -> int:
@@ -74,6 +85,7 @@ class ModelCosts:
             "d_model": self.d_model, "n_heads": self.n_heads, "vocab": self.vocab,
             "dtype_bytes": self.dtype_bytes,
             "layers": [dataclasses.asdict(l) for l in self.layers],
+            "ties": [dataclasses.asdict(x) for x in self.ties],
             "total_params": self.total_params,
         }
 
@@ -86,4 +98,6 @@ class ModelCosts:
             layers.append(LayerCost(**l, moe=MoEInfo(**moe) if moe else None))
         return cls(model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
                    layers=tuple(layers), d_model=d.get("d_model", 0), n_heads=d.get("n_heads", 0),
-                   vocab=d.get("vocab", 0), dtype_bytes=d.get("dtype_bytes", 4))
+                   vocab=d.get("vocab", 0), dtype_bytes=d.get("dtype_bytes", 4),
+                   ties=tuple(TiedParam(x["name"], x["nbytes"], x["owner"], tuple(x["users"]))
+                              for x in d.get("ties", ())))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Union
 
 from h2ir import opset
-from h2ir.costs import LayerCost, ModelCosts, MoEInfo
+from h2ir.costs import LayerCost, ModelCosts, MoEInfo, TiedParam
 from h2ir.types import TensorType
 
 Scalar = Union[int, float, bool, None]
@@ -145,7 +145,18 @@ class Graph:
         return ModelCosts(model=self.name, micro_batch=a.get("micro_batch", 1),
                           seq_len=a.get("seq_len", 0), layers=tuple(layers),
                           d_model=a.get("d_model", 0), n_heads=a.get("n_heads", 0),
-                          vocab=a.get("vocab", 0), dtype_bytes=a.get("dtype_bytes", 4))
+                          vocab=a.get("vocab", 0), dtype_bytes=a.get("dtype_bytes", 4),
+                          ties=self._ties())
+
+    def _ties(self) -> tuple[TiedParam, ...]:
+        """Parameters that layers other than their owner read (the `tied` layer attribute)."""
+        owner = {p.name: (l.name, p) for l in self.layers for p in l.params}
+        users: dict[str, list[str]] = {}
+        for l in self.layers:
+            for name in l.attrs.get("tied", ()):
+                users.setdefault(name, []).append(l.name)
+        return tuple(TiedParam(n, owner[n][1].type.nbytes, owner[n][0], tuple(u))
+                     for n, u in users.items() if n in owner)
 
     def _storage_of(self) -> Callable[[Value], Value]:
         """storage(v): the value whose buffer holds v. A view saved for backward keeps its base

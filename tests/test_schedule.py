@@ -22,6 +22,9 @@ instrs = st.one_of(
     st.builds(lambda mb, g: Instr("all_to_all", mb, group=tuple(g)), st.integers(0, 999),
               st.lists(workers, min_size=1, max_size=8)),
     st.just(Instr("opt_step")),
+    st.builds(lambda op, p: Instr(op, peer=p),
+              st.sampled_from(["send_tied_grads", "recv_tied_grads", "send_tied_params",
+                               "recv_tied_params"]), workers),
 )
 
 
@@ -35,8 +38,34 @@ def test_stream_text_round_trips(stream):
 
 def test_every_built_stream_round_trips():
     for sched in ("1f1b", "gpipe"):
-        for w, s in build_streams(sched, 4, 6, 3).items():
+        for w, s in build_streams(sched, 4, 6, 3, ties={0: (3,)}).items():
             assert parse_stream(format_stream(s)) == s
+
+
+def test_tied_parameters_are_handed_over_around_the_optimizer_step():
+    s = build_streams("1f1b", 3, 4, 2, ties={0: (2,)})
+    tail = lambda w: [str(i) for i in s[w] if i.op not in ("fwd", "bwd") and i.mb is None]
+    assert tail(0) == ["recv_tied_grads <- w2", "all_reduce grads [w0 w3]", "opt_step",
+                       "send_tied_params -> w2"]
+    assert tail(2) == ["send_tied_grads -> w0", "all_reduce grads [w2 w5]", "opt_step",
+                       "recv_tied_params <- w0"]
+    assert tail(5) == ["send_tied_grads -> w3", "all_reduce grads [w2 w5]", "opt_step",
+                       "recv_tied_params <- w3"]            # each replica ties within itself
+    assert tail(1) == ["all_reduce grads [w1 w4]", "opt_step"]
+
+
+def test_simulated_tie_exchange_costs_time_and_never_deadlocks():
+    import dataclasses
+    from h2ir.costs import TiedParam
+    c = blocks_only(layers=8)
+    plan = even_plan(c, 4, 4)
+    free = simulate(c, plan, cluster(latency=1e-3, nic_bw=1e9, intra_bw=1e9)).step_time_s
+    tied = dataclasses.replace(c, ties=(TiedParam("w", 64 << 20, "block.0", ("block.7",)),))
+    r = simulate(tied, plan, cluster(latency=1e-3, nic_bw=1e9, intra_bw=1e9))
+    assert r.step_time_s > free + 2 * (64 << 20) / 1e9 * 0.9     # grads there, params back
+    names = {e.name for e in r.events if e.lane == "comm"}
+    assert {"send_tied_grads", "send_tied_params"} <= names
+    assert r.stage_memory[3].items["tied_copies"] > 0 and "tied_copies" not in r.stage_memory[0].items
 
 
 def test_bad_stream_line_is_located():

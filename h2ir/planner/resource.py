@@ -324,9 +324,32 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
         inflight = inflight_microbatches(plan.schedule, stage_index, plan.num_stages,
                                          plan.num_microbatches)
     chip = cluster.chip(st.chip)
-    return MemoryBreakdown(capacity=int(chip.mem_bytes),
-                           items=memory_items(la, dev, a, b, inflight, st.recompute),
-                           inflight=inflight)
+    items = memory_items(la, dev, a, b, inflight, st.recompute)
+    copies = tied_copy_bytes(costs, plan, stage_index)
+    if copies:     # a copy of a tied parameter: weights and a gradient buffer, no optimizer state
+        items["tied_copies"] = int(copies * (la.state.weights + la.state.grads) / st.tp)
+    return MemoryBreakdown(capacity=int(chip.mem_bytes), items=items, inflight=inflight)
+
+
+def tied_copy_bytes(costs: ModelCosts, plan: Plan, stage_index: int) -> int:
+    """Bytes (as traced) of tied parameters stage `stage_index` holds a copy of: read by one of
+    its layers, owned by a layer of another stage (h2ir/schedule/streams.py)."""
+    mine = set(plan.stages[stage_index].layers)
+    return sum(t.nbytes for t in costs.ties
+               if t.owner not in mine and any(u in mine for u in t.users))
+
+
+def tied_exchange_bytes(costs: ModelCosts, plan: Plan, stage_index: int) -> int:
+    """Bytes of tied parameters stage `stage_index` exchanges per step in each direction: those
+    it holds a copy of, or, for the owner, those any other stage holds a copy of."""
+    mine = set(plan.stages[stage_index].layers)
+    total = 0
+    for t in costs.ties:
+        users_here = any(u in mine for u in t.users)
+        users_elsewhere = any(u not in mine for u in t.users)
+        if (t.owner in mine and users_elsewhere) or (t.owner not in mine and users_here):
+            total += t.nbytes
+    return total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,6 +482,7 @@ class StageTimes:
     send_grad_s: float          # to the previous stage (0 on the first)
     dp_allreduce_s: float
     opt_step_s: float
+    tied_s: float = 0.0         # one hand-over of tied gradients / parameters (0 without ties)
 
 
 class ResourceModel:
@@ -590,7 +614,18 @@ class ResourceModel:
                                  prv.chip, prv.tp, plan.dp)
         return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
                           dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep),
-                          opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep))
+                          opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep),
+                          tied_s=self.tied_time(plan, j))
+
+    def tied_time(self, plan: Plan, j: int) -> float:
+        """One hand-over of stage j's tied tensors to or from its counterpart stage (the other
+        end of the embedding/head tie: the first or the last stage), over the p2p path."""
+        nbytes = tied_exchange_bytes(self.costs, plan, j)
+        if not nbytes:
+            return 0.0
+        st = plan.stages[j]
+        other = plan.stages[-1] if j == 0 else plan.stages[0]
+        return p2p_time(nbytes, self.cluster, st.chip, st.tp, other.chip, other.tp, plan.dp)
 
     def stage_flops(self, plan: Plan, j: int) -> float:
         """Model FLOPs (forward + backward, no recompute) of one micro-batch on stage j, all TP."""

@@ -31,7 +31,7 @@ from h2ir.plans.plan import Plan
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
 from h2ir.schedule.grid import ScheduleGrid, grid_from_events
 from h2ir.schedule.interpret import StreamInterpreter
-from h2ir.schedule.streams import Instr, build_streams
+from h2ir.schedule.streams import Instr, build_streams, tied_stage_groups
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 
@@ -128,7 +128,7 @@ class SimulatedWorker(StreamInterpreter):
         start = max(tl.clock[w], tl.link_free[w])
         tl.link_free[w] = start + dur
         tl.arrivals[(kind, ins.mb, w, ins.peer)] = start + dur
-        tl.emit(w, "comm", f"send_{kind} {ins.mb}", start, dur)
+        tl.emit(w, "comm", f"send_{kind}" + (f" {ins.mb}" if ins.mb >= 0 else ""), start, dur)
 
     def _recv(self, ins, kind: str):
         key = (kind, ins.mb, ins.peer, self.wid)
@@ -149,6 +149,20 @@ class SimulatedWorker(StreamInterpreter):
 
     def recv_grad(self, ins):
         self._recv(ins, "grad")
+
+    # tied parameters: one tensor set each way per step, queued on the sender's link like any
+    # send; the key has no micro-batch (-1: one exchange of each kind per step)
+    def send_tied_grads(self, ins):
+        self._send(Instr(ins.op, -1, ins.peer), "tied_grads", self.times.tied_s)
+
+    def recv_tied_grads(self, ins):
+        self._recv(Instr(ins.op, -1, ins.peer), "tied_grads")
+
+    def send_tied_params(self, ins):
+        self._send(Instr(ins.op, -1, ins.peer), "tied_params", self.times.tied_s)
+
+    def recv_tied_params(self, ins):
+        self._recv(Instr(ins.op, -1, ins.peer), "tied_params")
 
     def all_reduce(self, ins):
         w, tl = self.wid, self.tl
@@ -222,7 +236,9 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     S, m = plan.num_stages, plan.num_microbatches
     times = [rm.stage_times(plan, j) for j in range(S)]
     if streams is None:
-        streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp)
+        ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
+        streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
+                                ties=ties)
         if symmetric:
             workers = workers or list(range(S))
     workers = sorted(workers if workers is not None else streams)

@@ -13,7 +13,18 @@ has a one-line text form that round-trips:
     recv_grad 3 <- w1       receive the gradient w.r.t. the stage's outputs
     all_reduce grads [w0 w2]      average parameter gradients across the replicas of a stage
     all_to_all 3 [w0 w1]    MoE token exchange for micro-batch 3 inside an expert group (roadmap)
+    send_tied_grads -> w0   hand this stage's gradients of tied parameters to their owner
+    recv_tied_grads <- w1   the owner adds a holder's gradients of the parameters they share
     opt_step                optimizer step on this worker's parameters
+    send_tied_params -> w1  the owner sends the updated tied parameters to a holder
+    recv_tied_params <- w0  a holder takes the owner's updated tied parameters
+
+Tied parameters (an embedding tied to the LM head on another stage) stay one logical parameter,
+as Megatron-LM keeps its embedding group: the stage of the first layer that reads one owns it
+(weights, gradient, AdamW state); every other stage that reads it holds a copy, hands its
+gradient to the owner after its last backward, and receives the owner's updated values after the
+optimizer step. The sum is taken by the owner in stage order, so it is deterministic, and the
+copies stay bit-identical to the owner's, whichever backends the stages run.
 """
 from __future__ import annotations
 
@@ -23,7 +34,12 @@ from dataclasses import dataclass
 from h2ir.errors import H2Error
 
 OPS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad",
-       "all_reduce", "all_to_all", "opt_step")
+       "all_reduce", "all_to_all", "opt_step",
+       "send_tied_grads", "recv_tied_grads", "send_tied_params", "recv_tied_params")
+_SENDS = ("send_act", "send_grad")
+_RECVS = ("recv_act", "recv_grad")
+_TIED_SENDS = ("send_tied_grads", "send_tied_params")
+_TIED_RECVS = ("recv_tied_grads", "recv_tied_params")
 
 
 @dataclass(frozen=True)
@@ -36,10 +52,14 @@ class Instr:
     def __str__(self) -> str:
         if self.op in ("fwd", "bwd"):
             return f"{self.op} {self.mb}"
-        if self.op in ("send_act", "send_grad"):
+        if self.op in _SENDS:
             return f"{self.op} {self.mb} -> w{self.peer}"
-        if self.op in ("recv_act", "recv_grad"):
+        if self.op in _RECVS:
             return f"{self.op} {self.mb} <- w{self.peer}"
+        if self.op in _TIED_SENDS:
+            return f"{self.op} -> w{self.peer}"
+        if self.op in _TIED_RECVS:
+            return f"{self.op} <- w{self.peer}"
         if self.op == "all_reduce":
             return "all_reduce grads [" + " ".join(f"w{g}" for g in self.group) + "]"
         if self.op == "all_to_all":
@@ -64,13 +84,23 @@ class Instr:
         m = re.fullmatch(r"all_to_all (\d+) \[((?:w\d+ ?)*)\]", t)
         if m:
             return cls("all_to_all", int(m[1]), group=tuple(int(g[1:]) for g in m[2].split()))
+        m = re.fullmatch(r"(send_tied_grads|send_tied_params) -> w(\d+)", t)
+        if m:
+            return cls(m[1], peer=int(m[2]))
+        m = re.fullmatch(r"(recv_tied_grads|recv_tied_params) <- w(\d+)", t)
+        if m:
+            return cls(m[1], peer=int(m[2]))
         if t == "opt_step":
             return cls("opt_step")
         raise ValueError(f"not an instruction: {text!r} (expected one of: {', '.join(OPS)})")
 
 
-def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group) -> list[Instr]:
-    """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions."""
+def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group,
+                  tie_owner: int | None = None, tie_holders: tuple[int, ...] = ()) -> list[Instr]:
+    """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions,
+    then the step's end: tied-gradient hand-over, data-parallel all-reduce, optimizer step,
+    tied-parameter update. `tie_owner` is the stage owning parameters this stage holds copies
+    of; `tie_holders` the stages holding copies of parameters this one owns."""
     out: list[Instr] = []
     prev = worker(stage - 1) if stage > 0 else None
     nxt = worker(stage + 1) if stage < S - 1 else None
@@ -87,10 +117,35 @@ def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_g
             out.append(Instr("bwd", mb))
             if prev is not None:
                 out.append(Instr("send_grad", mb, prev))
+    if tie_owner is not None:
+        out.append(Instr("send_tied_grads", peer=worker(tie_owner)))
+    out += [Instr("recv_tied_grads", peer=worker(h)) for h in tie_holders]
     if len(dp_group) > 1:
         out.append(Instr("all_reduce", group=tuple(dp_group)))
     out.append(Instr("opt_step"))
+    out += [Instr("send_tied_params", peer=worker(h)) for h in tie_holders]
+    if tie_owner is not None:
+        out.append(Instr("recv_tied_params", peer=worker(tie_owner)))
     return out
+
+
+def tied_stage_groups(ties, stage_layers: list[list[str]]) -> dict[int, tuple[int, ...]]:
+    """owner stage -> the other stages holding copies of its tied parameters, for `ties`
+    (`h2ir.costs.TiedParam`s) under a split of the layers into stages."""
+    stage_of = {l: s for s, ls in enumerate(stage_layers) for l in ls}
+    groups: dict[int, set] = {}
+    for t in ties:
+        owner = stage_of[t.owner]
+        holders = {stage_of[u] for u in t.users} - {owner}
+        if holders:
+            groups.setdefault(owner, set()).update(holders)
+    owners_of = {}
+    for o, hs in groups.items():
+        for h in hs:
+            if owners_of.setdefault(h, o) != o:
+                raise H2Error(f"stage {h} holds tied parameters of two owner stages "
+                              f"({owners_of[h]} and {o}); h2 supports one owner per stage")
+    return {o: tuple(sorted(hs)) for o, hs in sorted(groups.items())}
 
 
 def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, int]]:
@@ -111,16 +166,21 @@ def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, 
     raise ValueError(f"unknown schedule {schedule!r} (expected 1f1b or gpipe)")
 
 
-def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1) -> dict[int, list[Instr]]:
-    """Instruction streams for every worker of a dp x num_stages pipeline."""
+def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1,
+                  ties: dict[int, tuple[int, ...]] | None = None) -> dict[int, list[Instr]]:
+    """Instruction streams for every worker of a dp x num_stages pipeline; `ties` is
+    `tied_stage_groups`' owner -> holders map (tied parameters are exchanged inside a replica)."""
     S = num_stages
+    ties = ties or {}
+    owner_of = {h: o for o, hs in ties.items() for h in hs}
     streams: dict[int, list[Instr]] = {}
     for r in range(dp):
         for s in range(S):
             order = compute_order(schedule, s, S, num_microbatches)
             streams[r * S + s] = _stage_stream(
                 order, s, S, worker=lambda st, r=r: r * S + st,
-                dp_group=[q * S + s for q in range(dp)])
+                dp_group=[q * S + s for q in range(dp)],
+                tie_owner=owner_of.get(s), tie_holders=ties.get(s, ()))
     return streams
 
 
