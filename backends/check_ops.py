@@ -133,23 +133,101 @@ def _attention64(q, k, v, causal, scale):
     return out.numpy(), lse.numpy()
 
 
-ATTENTION_CASES = [dict(b=2, h=4, s=64, t=64, d=32, causal=True, scale=None),
-                   dict(b=2, h=4, s=64, t=64, d=32, causal=False, scale=0.3),
-                   dict(b=1, h=2, s=48, t=64, d=16, causal=True, scale=None)]
+def _additive64(mask):
+    """A bool mask (true attends) as ATen's additive 0/-inf form; an additive mask as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -torch.inf)
 
 
-def _attention_cases(r: Draw, backward: bool) -> list[Case]:
+def _attention_masked64(q, k, v, mask, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                            attn_mask=_additive64(mask),
+                                                            scale=scale)
+
+
+def _attention_masked_bwd64(g, q, k, v, o, lse, mask, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, o, lse.to(torch.float64), 0.0, causal, attn_mask=_additive64(mask), scale=scale)
+
+
+# h_kv < h: grouped-query attention (ATen's CPU flash kernel takes it as it is)
+ATTENTION_CASES = [dict(b=2, h=4, h_kv=4, s=64, t=64, d=32, causal=True, scale=None),
+                   dict(b=2, h=4, h_kv=4, s=64, t=64, d=32, causal=False, scale=0.3),
+                   dict(b=1, h=2, h_kv=2, s=48, t=64, d=16, causal=True, scale=None),
+                   dict(b=2, h=4, h_kv=2, s=32, t=32, d=16, causal=True, scale=None)]
+# masks: bool [b,1,s,t] (true attends; the diagonal always, so no row is fully masked), additive
+# [1,1,s,t] with finite values, and none beyond the causal flag
+MASKED_ATTENTION_CASES = [dict(b=2, h=4, h_kv=2, s=32, t=32, d=16, causal=False, scale=None,
+                               mask="bool"),
+                          dict(b=2, h=4, h_kv=4, s=32, t=32, d=16, causal=True, scale=0.3,
+                               mask="bool"),
+                          dict(b=1, h=2, h_kv=1, s=24, t=32, d=16, causal=False, scale=None,
+                               mask="additive")]
+
+
+def _mask_arg(r: Draw, c: dict) -> Arg:
+    if c["mask"] == "bool":
+        m = r.rng.random((c["b"], 1, c["s"], c["t"])) < 0.6
+        m[..., np.arange(c["s"]), np.arange(c["s"]) % c["t"]] = True
+        return Arg(m, "bool")
+    return Arg(r.rng.standard_normal((1, 1, c["s"], c["t"])))
+
+
+def _attention_cases(r: Draw, backward: bool, masked: bool = False) -> list[Case]:
     cases = []
-    for c in ATTENTION_CASES:
-        q, k, v = (r.normal(c["b"], c["h"], n, c["d"]) for n in (c["s"], c["t"], c["t"]))
+    for c in MASKED_ATTENTION_CASES if masked else ATTENTION_CASES:
+        q = r.normal(c["b"], c["h"], c["s"], c["d"])
+        k, v = (r.normal(c["b"], c["h_kv"], c["t"], c["d"]) for _ in range(2))
+        mask = [_mask_arg(r, c)] if masked else []
         attrs = {"causal": c["causal"], "scale": c["scale"]}
         if not backward:
-            cases.append(Case([q, k, v], attrs))
+            cases.append(Case([q, k, v] + mask, attrs))
             continue
-        out, lse = _attention64(q.data, k.data, v.data, c["causal"], c["scale"])
+        m64 = torch.from_numpy(mask[0].data) if masked else None
+        out, lse = (t.numpy() for t in _attention_masked64(
+            *(torch.from_numpy(a.data) for a in (q, k, v)), m64, c["causal"], c["scale"]))
         grad = r.normal(*out.shape)
-        cases.append(Case([grad, q, k, v, Arg(out), Arg(lse, "f32")], attrs))
+        cases.append(Case([grad, q, k, v, Arg(out), Arg(lse, "f32")] + mask, attrs))
     return cases
+
+
+def _layer_norm_cases(r: Draw, backward: bool) -> list[Case]:
+    cases = []
+    for x, w, b, n in ((r.normal(4, 16, 64), r.normal(64), r.normal(64), 1),
+                       (Arg(r.rng.standard_normal((8, 4, 8)) * 3 + 1), None, None, 2)):
+        attrs = {"normalized_ndim": n}
+        if not backward:
+            cases.append(Case([x, w, b], {**attrs, "eps": 1e-5}))
+            continue
+        _, mean, rstd = aten.native_layer_norm(torch.from_numpy(x.data),
+                                               list(x.data.shape[-n:]), None, None, 1e-5)
+        cases.append(Case([r.normal(*x.data.shape), x, Arg(mean.numpy()), Arg(rstd.numpy()), w, b],
+                          attrs))
+    return cases
+
+
+def _grouped_mm_cases(r: Draw, backward: bool) -> list[Case]:
+    # expert 1's group is empty; rows 36.. are past the last offset (no expert: zeros)
+    cases = []
+    for offs in (Arg(np.array([10, 10, 25, 36]), "i64"), Arg(np.array([0, 40, 40, 40]), "i32")):
+        x, w = r.normal(40, 32), r.normal(4, 32, 24)
+        cases.append(Case([r.normal(40, 24), x, w, offs] if backward else [x, w, offs]))
+    return cases
+
+
+def _perm_ids(r: Draw, n: int, k: int, rows: int | None = None) -> Arg:
+    """Distinct indices < n (k per row): scatter targets without duplicates (whose winner is
+    implementation-defined)."""
+    if rows is None:
+        return Arg(r.rng.permutation(n)[:k].astype(np.int64), "i64")
+    return Arg(np.argsort(r.rng.random((rows, n)), axis=1)[:, :k].astype(np.int64), "i64")
+
+
+def _dropout_cases(r: Draw) -> list[Case]:
+    return [Case([r.normal(64, 128), Arg(np.array([1234, 7]), "i64")], {"p": 0.3}),
+            Case([r.normal(3, 5, 67), Arg(np.array([-1, 2 ** 40]), "i64")], {"p": 0.9}),
+            Case([r.normal(16, 16), Arg(np.array([0, 0]), "i64")], {"p": 0.0})]
 
 
 def _nll_cases(r: Draw, backward: bool) -> list[Case]:
@@ -169,6 +247,12 @@ def _nll_cases(r: Draw, backward: bool) -> list[Case]:
         total = Arg(np.array(float((tgt.data != ign).sum()) if red != "none" else 0.0))
         cases.append(Case([grad, logp, tgt, total], attrs))
     return cases
+
+
+def _int_binary_cases(r: Draw) -> list[Case]:
+    a = r.ids(1 << 20, 64, 128)
+    return [Case([a, r.ids(1 << 20, 128)]), Case([r.mask(64, 128), r.mask(128)]),
+            Case([a, 6]), Case([r.mask(64, 128), True])]
 
 
 def _binary_cases(r: Draw) -> list[Case]:
@@ -202,13 +286,67 @@ def _unary_cases(draw: str):
 
 UNARY_DRAW = {"neg": "normal", "exp": "normal", "log": "positive", "sqrt": "positive",
               "rsqrt": "positive", "tanh": "wide", "sigmoid": "wide", "relu": "normal",
-              "silu": "wide", "gelu": "wide", "abs": "normal", "reciprocal": "nonzero",
+              "silu": "wide", "abs": "normal", "reciprocal": "nonzero",
               "sin": "wide", "cos": "wide", "logical_not": "bool", "copy": "normal"}
 
 SPECS: dict[str, Callable[[Draw], list[Case]]] = {n: _unary_cases(d) for n, d in UNARY_DRAW.items()}
 SPECS.update({
     "cast": lambda r: [Case([r.normal(64, 128, scale=8.0)], {"dtype": "i64"}),
                        Case([r.normal(64, 128)], {"dtype": "bool"})],
+    "gelu": lambda r: [Case([r.normal(64, 128, scale=3.0)]),
+                       Case([r.normal(64, 128, scale=3.0)], {"approximate": "tanh"})],
+    "bitwise_not": lambda r: [Case([r.ids(1 << 20, 64, 128)]), Case([r.mask(64, 128)])],
+    **{n: _int_binary_cases for n in ("bitwise_and", "bitwise_or", "bitwise_xor")},
+    "logical_xor": lambda r: [Case([r.mask(64, 128), r.mask(128)]), Case([r.mask(64, 128), True])],
+    "power": lambda r: [Case([r.positive(64, 128), r.normal(128)]),
+                        Case([10000.0, Arg(r.rng.uniform(0, 1, 64))]),
+                        Case([r.positive(64, 128), 2.5])],
+    "floor_divide": lambda r: [Case([Arg(r.rng.integers(-1000, 1000, (64, 128)), "i64"),
+                                     Arg(r.rng.integers(1, 50, 128), "i64")]),
+                               Case([r.normal(64, 128, scale=4.0), r.away_from_zero(128)]),
+                               Case([Arg(r.rng.integers(-1000, 1000, 256), "i64"), 3])],
+    "cumsum": lambda r: [Case([r.normal(8, 16, 32)], {"dim": 1}),
+                         Case([r.mask(4, 64)], {"dim": -1}),
+                         Case([r.ids(100, 4, 64)], {"dim": 0, "dtype": "i32"})],
+    "index": lambda r: [Case([r.normal(8, 16, 32), r.ids(16, 5)], {"dims": [1]}),
+                        Case([r.normal(8, 16, 32), r.ids(8, 3, 1), r.ids(32, 1, 4)],
+                             {"dims": [0, 2]}),                # apart: the index dims go first
+                        Case([r.normal(2, 4, 6), r.ids(2, 3), Arg(np.array([-1, 0, 3]), "i64")],
+                             {"dims": [0, 1]})],
+    "index_put": lambda r: [
+        Case([r.normal(16, 8), r.normal(24, 8), r.ids(16, 24)], {"dims": [0], "accumulate": True}),
+        Case([r.normal(16, 8), r.normal(5, 8), _perm_ids(r, 16, 5)], {"dims": [0]}),
+        Case([r.normal(4, 10, 3), r.normal(3), _perm_ids(r, 10, 4)], {"dims": [1]}),
+        Case([Arg(np.zeros(12, dtype=np.int64), "i64"), Arg(np.arange(12), "i64"),
+              _perm_ids(r, 12, 12)], {"dims": [0]})],    # the inverse of a permutation
+    "gather": lambda r: [Case([r.normal(8, 16), r.ids(16, 8, 5)], {"dim": 1}),
+                         Case([r.normal(8, 16), r.ids(8, 4, 16)], {"dim": 0}),
+                         Case([r.normal(8, 16), r.ids(16, 4, 3)], {"dim": 1})],
+    "scatter": lambda r: [Case([r.normal(8, 16), _perm_ids(r, 16, 5, rows=8), r.normal(8, 16)],
+                               {"dim": 1}),
+                          Case([r.normal(8, 16), _perm_ids(r, 16, 3, rows=4), 0.5], {"dim": 1})],
+    "scatter_add": lambda r: [Case([r.normal(8, 16), r.ids(16, 8, 20), r.normal(8, 20)],
+                                   {"dim": 1}),
+                              Case([r.normal(6, 5), r.ids(6, 9, 5), r.normal(9, 5)], {"dim": 0})],
+    "sort": lambda r: [Case([r.ids(5, 6, 40)]),                        # ties: stable order
+                       Case([r.normal(32, 8)], {"dim": 0, "descending": True}),
+                       Case([r.ids(7, 4, 128)], {"descending": True})],
+    "histc": lambda r: [Case([Arg(r.rng.integers(0, 4, 256).astype(np.float64))],
+                             {"bins": 4, "min": 0, "max": 3}),
+                        Case([Arg(r.rng.integers(0, 8, 256), "i32")], {"bins": 8, "min": 0, "max": 7}),
+                        # (k + 0.5) / 16: exact in bf16 and never on a bin edge
+                        Case([Arg((r.rng.integers(-40, 40, 1000) + 0.5) / 16)],
+                             {"bins": 10, "min": -2, "max": 2})],
+    "layer_norm": lambda r: _layer_norm_cases(r, backward=False),
+    "layer_norm_bwd": lambda r: _layer_norm_cases(r, backward=True),
+    "dropout": _dropout_cases,
+    "attention_masked": lambda r: _attention_cases(r, backward=False, masked=True),
+    "attention_masked_bwd": lambda r: _attention_cases(r, backward=True, masked=True),
+    "grouped_mm": lambda r: _grouped_mm_cases(r, backward=False),
+    "grouped_mm_bwd": lambda r: _grouped_mm_cases(r, backward=True),
+    "gelu_bwd": lambda r: [Case([r.normal(64, 128), r.normal(64, 128, scale=3.0)]),
+                           Case([r.normal(64, 128), r.normal(64, 128, scale=3.0)],
+                                {"approximate": "tanh"})],
     "pow": lambda r: [Case([r.normal(64, 128)], {"exponent": 2}),
                       Case([r.positive(64, 128)], {"exponent": 0.5}),
                       Case([r.normal(64, 128)], {"exponent": 3.0})],
@@ -251,7 +389,9 @@ SPECS.update({
                                                                    {"k": 3, "dim": 0})],
     "one_hot": lambda r: [Case([r.ids(10, 4, 16)], {"num_classes": 10})],
     "embedding": lambda r: [Case([r.normal(100, 32), r.ids(100, 4, 16)])],
-    "embedding_bwd": lambda r: [Case([r.normal(4, 16, 32), r.ids(20, 4, 16)], {"num_weights": 40})],
+    "embedding_bwd": lambda r: [Case([r.normal(4, 16, 32), r.ids(20, 4, 16)], {"num_weights": 40}),
+                                Case([r.normal(4, 16, 32), r.ids(20, 4, 16)],
+                                     {"num_weights": 20, "padding_idx": 3})],
     "slice_bwd": lambda r: [Case([r.normal(4, 5, 8)], {"shape": [4, 16, 8], "dim": 1, "start": 3,
                                                        "end": 13, "step": 2}),
                             Case([r.normal(6, 8)], {"shape": [10, 8], "dim": 0, "end": 6})],
@@ -278,11 +418,51 @@ def _ref_dtype(h2: str) -> torch.dtype:
 
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}
 
+def _index_list(dims, indices) -> list:
+    key = [None] * (max(dims) + 1)
+    for d, i in zip(dims, indices):
+        key[d] = i
+    return key
+
+
+def _grouped_mm64(x, w, offs):
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = max(start, end)
+    return out
+
+
+def _grouped_mm_bwd64(g, x, w, offs):
+    gx, gw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for e, end in enumerate(offs.tolist()):
+        gx[start:end] = g[start:end] @ w[e].T
+        gw[e] = x[start:end].T @ g[start:end]
+        start = max(start, end)
+    return gx, gw
+
+
+def _layer_norm_bwd64(g, x, mean, rstd, w, b, n):
+    shape = list(x.shape[x.dim() - n:])
+    w = torch.ones(shape, dtype=x.dtype) if w is None else w     # ATen gives no dweight without w
+    b = torch.zeros(shape, dtype=x.dtype) if b is None else b
+    return aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, True, True])
+
+
+def _torch_dropout(x, seed, p):
+    """The torch library's dropout (its own implementation of the op set's counter-based hash):
+    the numpy backend's masks must equal it bit for bit."""
+    from backends.torch.ops import dropout
+    return dropout(x, seed, p)
+
+
 REFERENCE: dict[str, Callable] = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu,
-    "gelu": F.gelu, "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
+    "gelu": lambda x, approximate: F.gelu(x, approximate=approximate),
+    "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
     "cos": torch.cos, "logical_not": torch.logical_not, "copy": torch.clone,
+    "bitwise_not": torch.bitwise_not,
     "cast": lambda x, dtype: x.to(_ref_dtype(dtype)),
     "pow": lambda x, exponent: torch.pow(x, exponent),
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
@@ -292,6 +472,9 @@ REFERENCE: dict[str, Callable] = {
        for n in ("eq", "ne", "lt", "le", "gt", "ge")},
     "logical_and": lambda a, b: torch.logical_and(*_as_tensors(a, b)),
     "logical_or": lambda a, b: torch.logical_or(*_as_tensors(a, b)),
+    **{n: (lambda fn: lambda a, b: fn(*_as_tensors(a, b)))(getattr(torch, n))
+       for n in ("logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide")},
+    "power": lambda a, b: torch.pow(a, b),
     "where": lambda c, a, b: torch.where(c, a, b),
     "sum": lambda x, dims, keepdim: torch.sum(x, dim=dims, keepdim=keepdim),
     "mean": lambda x, dims, keepdim: torch.mean(x, dim=dims, keepdim=keepdim),
@@ -299,6 +482,7 @@ REFERENCE: dict[str, Callable] = {
                                                 keepdim=keepdim),
     "amin": lambda x, dims, keepdim: torch.amin(x, dim=dims if dims is not None else [],
                                                 keepdim=keepdim),
+    "cumsum": lambda x, dim, dtype: torch.cumsum(x, dim, dtype=_ref_dtype(dtype) if dtype else None),
     "reshape": lambda x, shape: x.reshape(shape),
     "permute": lambda x, dims: x.permute(dims),
     "transpose": lambda x, dim0, dim1: x.transpose(dim0, dim1),
@@ -313,17 +497,36 @@ REFERENCE: dict[str, Callable] = {
     "attention_bwd": lambda g, q, k, v, o, lse, causal, scale:
         aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, causal,
                                                                   scale=scale),
+    "attention_masked": _attention_masked64,
+    "attention_masked_bwd": _attention_masked_bwd64,
+    "grouped_mm": lambda x, w, offs: _grouped_mm64(x, w, offs),
+    "grouped_mm_bwd": lambda g, x, w, offs: _grouped_mm_bwd64(g, x, w, offs),
     "softmax": lambda x, dim: aten._softmax(x, dim, False),
     "log_softmax": lambda x, dim: aten._log_softmax(x, dim, False),
     "softmax_bwd": lambda g, out, dim: aten._softmax_backward_data(g, out, dim, out.dtype),
     "log_softmax_bwd": lambda g, out, dim: aten._log_softmax_backward_data(g, out, dim, out.dtype),
     "silu_bwd": aten.silu_backward,
+    "gelu_bwd": lambda g, x, approximate: aten.gelu_backward(g, x, approximate=approximate),
+    "layer_norm": lambda x, w, b, normalized_ndim, eps: aten.native_layer_norm(
+        x, list(x.shape[x.dim() - normalized_ndim:]), w, b, eps),
+    "layer_norm_bwd": lambda g, x, mean, rstd, w, b, normalized_ndim: _layer_norm_bwd64(
+        g, x, mean, rstd, w, b, normalized_ndim),
+    "sort": lambda x, dim, descending: torch.sort(x, dim=dim, descending=descending, stable=True),
+    "histc": lambda x, bins, min, max: torch.histc(
+        x if x.is_floating_point() else x.to(torch.float64), bins, min, max),
+    "dropout": lambda x, seed, p: _torch_dropout(x, seed, p),
+    "index": lambda x, *idx, dims: aten.index(x, _index_list(dims, idx)),
+    "index_put": lambda x, values, *idx, dims, accumulate: aten.index_put(
+        x, _index_list(dims, idx), torch.as_tensor(values, dtype=x.dtype), accumulate),
+    "gather": lambda x, index, dim: torch.gather(x, dim, index),
+    "scatter": lambda x, index, src, dim: torch.scatter(x, dim, index, src),
+    "scatter_add": lambda x, index, src, dim: torch.scatter_add(x, dim, index, src),
     "tril": lambda x, diagonal: torch.tril(x, diagonal),
     "topk": lambda x, k, dim: torch.topk(x, k, dim),
     "one_hot": lambda ids, num_classes: F.one_hot(ids, num_classes),
     "embedding": lambda w, ids: aten.embedding(w, ids),
-    "embedding_bwd": lambda g, ids, num_weights: aten.embedding_dense_backward(g, ids, num_weights,
-                                                                               -1, False),
+    "embedding_bwd": lambda g, ids, num_weights, padding_idx: aten.embedding_dense_backward(
+        g, ids, num_weights, padding_idx, False),
     "slice_bwd": lambda g, shape, dim, start=None, end=None, step=1: aten.slice_backward(
         g, shape, dim, 0 if start is None else start, shape[dim] if end is None else end, step),
     "nll_loss": lambda logp, t, reduction, ignore_index: aten.nll_loss_forward(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from h2ir.types import TensorType, broadcast_shapes, DTYPES
+from h2ir.types import DTYPE_TABLE, DTYPES, TensorType, broadcast_shapes
 
 
 class Group(str, Enum):
@@ -224,11 +224,127 @@ def _bmm(ins, a):
         raise ValueError(f"bmm of {list(x.shape)} and {list(y.shape)}")
     return [TensorType(x.dtype, (x.shape[0], x.shape[1], y.shape[2]))]
 
+def _cumsum(ins, a):
+    x = ins[0]
+    _dim(a["dim"], x.rank)
+    dtype = a["dtype"] or (x.dtype if DTYPE_TABLE[x.dtype].is_float else "i64")
+    return [TensorType(dtype, x.shape)]
+
+
+def _index_shape(x: TensorType, dims: list, index_shapes: list) -> tuple:
+    """Result shape of advanced indexing x[..., i0, ..., i1, ...] with index tensors at `dims`
+    (NumPy's and torch's rule): the broadcast index shape replaces the indexed dims in place
+    when they are adjacent, else it comes first."""
+    if len(dims) != len(index_shapes) or not dims:
+        raise ValueError(f"{len(index_shapes)} index tensor(s) for dims {dims}")
+    dims = [_dim(d, x.rank) for d in dims]
+    if sorted(dims) != dims or len(set(dims)) != len(dims):
+        raise ValueError(f"index dims {dims} must be increasing")
+    b = ()
+    for sh in index_shapes:
+        b = broadcast_shapes(b, sh)
+    rest = [s for i, s in enumerate(x.shape) if i not in dims]
+    if dims == list(range(dims[0], dims[-1] + 1)):
+        return x.shape[:dims[0]] + b + x.shape[dims[-1] + 1:]
+    return b + tuple(rest)
+
+
+def _index(ins, a):
+    x, idx = ins[0], _tensors(ins[1:])
+    for t in idx:
+        if DTYPE_TABLE[t.dtype].kind != "int":
+            raise ValueError(f"index tensors must be integers (got {t.dtype})")
+    return [TensorType(x.dtype, _index_shape(x, list(a["dims"]), [t.shape for t in idx]))]
+
+
+def _index_put(ins, a):
+    x, values, idx = ins[0], ins[1], _tensors(ins[2:])
+    target = _index_shape(x, list(a["dims"]), [t.shape for t in idx])
+    if isinstance(values, TensorType) and broadcast_shapes(target, values.shape) != target:
+        raise ValueError(f"values {list(values.shape)} do not broadcast to {list(target)}")
+    return [x]
+
+
+def _gather(ins, a):
+    x, index = ins
+    d = _dim(a["dim"], x.rank)
+    if index.rank != x.rank or any(index.shape[i] > x.shape[i] for i in range(x.rank) if i != d):
+        raise ValueError(f"gather index {list(index.shape)} does not fit {list(x.shape)} (dim {d})")
+    return [TensorType(x.dtype, index.shape)]
+
+
+def _scatter(ins, a):
+    x, index, src = ins
+    _dim(a["dim"], x.rank)
+    if index.rank != x.rank:
+        raise ValueError(f"scatter index rank {index.rank} differs from the input's {x.rank}")
+    return [x]
+
+
+def _sort(ins, a):
+    x = ins[0]
+    _dim(a["dim"], x.rank)
+    return [x, TensorType("i64", x.shape)]
+
+
+def _histc(ins, a):
+    if a["max"] <= a["min"]:
+        raise ValueError(f"histc range [{a['min']}, {a['max']}] is empty")
+    return [TensorType(ins[0].dtype, (a["bins"],))]
+
+
+def _layer_norm(ins, a):
+    x, n = ins[0], a["normalized_ndim"]
+    if not 1 <= n <= x.rank:
+        raise ValueError(f"layer_norm over {n} trailing dims of a rank-{x.rank} tensor")
+    for t in ins[1:]:
+        if isinstance(t, TensorType) and t.shape != x.shape[x.rank - n:]:
+            raise ValueError(f"layer_norm weight/bias {list(t.shape)} differ from "
+                             f"{list(x.shape[x.rank - n:])}")
+    stat = TensorType(x.dtype, x.shape[:x.rank - n] + (1,) * n)
+    return [x, stat, stat]
+
+
+def _layer_norm_bwd(ins, a):
+    x, n = ins[1], a["normalized_ndim"]
+    w = TensorType(x.dtype, x.shape[x.rank - n:])
+    return [x, w, w]
+
+
+def _grouped_mm(ins, a):
+    x, w, offs = ins
+    if x.rank != 2 or w.rank != 3 or x.shape[1] != w.shape[1] or offs.shape != (w.shape[0],):
+        raise ValueError(f"grouped_mm of {list(x.shape)}, {list(w.shape)} with offsets "
+                         f"{list(offs.shape)}")
+    return [TensorType(x.dtype, (x.shape[0], w.shape[2]))]
+
+
+def _dropout(ins, a):
+    x, seed = ins
+    if seed.dtype != "i64" or seed.shape != (2,):
+        raise ValueError(f"dropout seed must be i64[2] (seed, counter), got {seed}")
+    if not 0.0 <= a["p"] < 1.0:
+        raise ValueError(f"dropout p={a['p']} outside [0, 1)")
+    return [x, TensorType("bool", x.shape)]
+
 
 def _attention(ins, a):
     q, k, v = ins[:3]
     b, h, s, _ = q.shape
+    if k.shape[:2] != v.shape[:2] or k.shape[0] != b or h % k.shape[1]:
+        raise ValueError(f"attention q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: "
+                         "batch must match and query heads be a multiple of key/value heads")
     return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],)), TensorType("f32", (b, h, s))]
+
+
+def _attention_masked(ins, a):
+    q, k, mask = ins[0], ins[1], ins[3]
+    full = q.shape[:-1] + (k.shape[-2],)
+    if broadcast_shapes(full, mask.shape) != full:
+        raise ValueError(f"attention mask {list(mask.shape)} does not broadcast to {list(full)}")
+    if mask.dtype != "bool" and mask.dtype != q.dtype:
+        raise ValueError(f"attention mask must be bool or {q.dtype}, got {mask.dtype}")
+    return _attention(ins, a)
 
 
 def _attention_bwd(ins, a):
@@ -343,8 +459,41 @@ def _attention_bwd_flops(ins, outs, a):
             + _matmul_flops(s_k, d, s_q, bh))       # dK = dS^T Q
 
 
+def _grouped_mm_flops(ins, outs, a):
+    """Each row goes through exactly one expert: one [S,k] @ [k,n] worth of multiply-adds."""
+    (m, k), n = ins[0].shape, ins[1].shape[2]
+    return _matmul_flops(m, n, k)
+
+
+def _grouped_mm_bwd_flops(ins, outs, a):
+    return 2 * _grouped_mm_flops(ins[1:], outs, a)      # dX = dY W^T and dW = X^T dY per expert
+
+
+def _norm_flops(ins, outs, a):
+    return 8 * outs[0].numel     # mean, centre, square, mean, rsqrt, scale, weight, bias
+
+
 def _softmax_flops(ins, outs, a):
     return 5 * outs[0].numel     # max, sub, exp, sum, div
+
+
+# ---- the dropout op's random bits -----------------------------------------------------------------
+
+# Counter-based, so every backend draws the same mask for the same (seed, counter) without
+# sharing a generator's state: SplitMix64 (Steele, Lea, Flood 2014, "Fast splittable
+# pseudorandom number generators"; the constants of Vigna's splitmix64.c). In uint64 arithmetic
+# (wrapping):
+#   mix(z)  = z ^= z >> 30; z *= M1; z ^= z >> 27; z *= M2; z ^ (z >> 31)
+#   key     = mix(seed ^ mix(counter + GAMMA))
+#   bits(i) = mix(key + (i + 1) * GAMMA) >> 40                  (24 bits per element)
+#   keep(i) = bits(i) >= round(p * 2^24)                      (integer compare: no float rounding)
+DROPOUT_RNG = {"gamma": 0x9E3779B97F4A7C15, "m1": 0xBF58476D1CE4E5B9, "m2": 0x94D049BB133111EB,
+               "shifts": (30, 27, 31), "bits": 24}
+
+
+def dropout_threshold(p: float) -> int:
+    """The 24-bit integer threshold of keep(i) = bits(i) >= threshold."""
+    return int(round(p * (1 << DROPOUT_RNG["bits"])))
 
 
 # ---- the op set ----------------------------------------------------------------------------------
@@ -353,11 +502,13 @@ for _n, _s, _d in [
     ("neg", (), "-x"), ("exp", ("o0",), "e^x"), ("log", ("i0",), "ln x"), ("sqrt", ("o0",), "sqrt x"),
     ("rsqrt", ("o0",), "1/sqrt x"), ("tanh", ("o0",), "tanh x"), ("sigmoid", ("o0",), "1/(1+e^-x)"),
     ("relu", ("o0",), "max(x, 0)"), ("silu", ("i0",), "x * sigmoid(x)"),
-    ("gelu", ("i0",), "x * Phi(x) (erf form)"), ("abs", ("i0",), "|x|"),
+    ("abs", ("i0",), "|x|"),
     ("reciprocal", ("o0",), "1/x"), ("sin", ("i0",), "sin x"), ("cos", ("i0",), "cos x"),
-    ("logical_not", (), "not x"),
+    ("logical_not", (), "not x"), ("bitwise_not", (), "~x (integers and bool)"),
 ]:
     _op(_n, Group.UNARY, ["x"], infer=_same, flops=_numel_out, saves=_s, doc=_d)
+_op("gelu", Group.UNARY, ["x"], {"approximate": "none"}, infer=_same, flops=_numel_out,
+    saves=("i0",), doc="x * Phi(x): erf form ('none') or the tanh approximation ('tanh')")
 _op("copy", Group.UNARY, ["x"], infer=_same, flops=_zero, doc="a fresh copy of x")
 _op("cast", Group.UNARY, ["x"], {"dtype": REQUIRED}, infer=_cast, flops=_zero, doc="convert dtype")
 _op("pow", Group.UNARY, ["x"], {"exponent": REQUIRED}, infer=_same, flops=_numel_out, saves=("i0",),
@@ -369,7 +520,13 @@ for _n, _s, _d in [
     ("minimum", ("i0", "i1"), "min(a, b)"),
 ]:
     _op(_n, Group.BINARY, ["a", "b"], infer=_elementwise, flops=_numel_out, saves=_s, doc=_d)
-for _n in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or"):
+for _n, _s, _d in [
+    ("power", ("i0", "i1"), "a ** b (either side may be a scalar: 10000 ** x)"),
+    ("floor_divide", (), "floor(a / b)"), ("bitwise_and", (), "a & b (integers and bool)"),
+    ("bitwise_or", (), "a | b (integers and bool)"), ("bitwise_xor", (), "a ^ b (integers and bool)"),
+]:
+    _op(_n, Group.BINARY, ["a", "b"], infer=_elementwise, flops=_numel_out, saves=_s, doc=_d)
+for _n in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor"):
     _op(_n, Group.BINARY, ["a", "b"], infer=_compare, flops=_numel_out, doc=f"elementwise {_n}")
 _op("where", Group.TERNARY, ["cond", "a", "b"], infer=_where, flops=_numel_out, saves=("i0",),
     doc="cond ? a : b")
@@ -377,6 +534,9 @@ _op("where", Group.TERNARY, ["cond", "a", "b"], infer=_where, flops=_numel_out, 
 for _n in ("sum", "mean", "amax", "amin"):
     _op(_n, Group.REDUCE, ["x"], {"dims": None, "keepdim": False}, infer=_reduce, flops=_numel_in,
         doc=f"{_n} over dims (None: all)")
+
+_op("cumsum", Group.REDUCE, ["x"], {"dim": REQUIRED, "dtype": None}, infer=_cumsum,
+    flops=_numel_in, doc="inclusive prefix sum along dim (dtype None: ints and bool sum in i64)")
 
 _op("reshape", Group.MOVEMENT, ["x"], {"shape": REQUIRED}, infer=_reshape, flops=_zero)
 _op("permute", Group.MOVEMENT, ["x"], {"dims": REQUIRED}, infer=_permute, flops=_zero)
@@ -396,7 +556,20 @@ _op("bmm", Group.MATMUL, ["a", "b"], infer=_bmm, flops=_bmm_flops, saves=("i0", 
     doc="[b,m,k] @ [b,k,n]")
 _op("attention", Group.ATTENTION, ["q", "k", "v"], {"causal": False, "scale": None}, infer=_attention,
     flops=_attention_flops, saves=("i0", "i1", "i2", "o0", "o1"), bwd_factor=2.5,
-    doc="softmax(q k^T * scale [+ causal mask]) v over [b,h,s,d]; outputs (out, logsumexp)")
+    doc="softmax(q k^T * scale [+ causal mask]) v over [b,h,s,d]; outputs (out, logsumexp). "
+        "k and v may have fewer heads than q (grouped-query attention: query head i reads "
+        "key/value head i // (h_q / h_kv))")
+_op("attention_masked", Group.ATTENTION, ["q", "k", "v", "mask"], {"causal": False, "scale": None},
+    infer=_attention_masked, flops=_attention_flops, saves=("i0", "i1", "i2", "i3", "o0", "o1"),
+    bwd_factor=2.5,
+    doc="attention with a mask tensor broadcastable to [b,h,s_q,s_k]: bool (true = attend) or "
+        "additive in q's dtype (0 / -inf); the causal flag, scale and grouped-query heads as "
+        "attention")
+
+_op("grouped_mm", Group.MATMUL, ["x", "w", "offsets"], infer=_grouped_mm, flops=_grouped_mm_flops,
+    saves=("i0", "i1", "i2"), bwd_factor=2.0,
+    doc="rows offsets[e-1]:offsets[e] of x [S,k] times w[e] [k,n] (experts' tokens sorted by "
+        "expert); rows past offsets[-1] are 0")
 
 _op("softmax", Group.NN, ["x"], {"dim": REQUIRED}, infer=_same, flops=_softmax_flops, saves=("o0",))
 _op("log_softmax", Group.NN, ["x"], {"dim": REQUIRED}, infer=_same, flops=_softmax_flops,
@@ -404,10 +577,36 @@ _op("log_softmax", Group.NN, ["x"], {"dim": REQUIRED}, infer=_same, flops=_softm
 _op("tril", Group.NN, ["x"], {"diagonal": 0}, infer=_tril, flops=_zero, doc="lower triangle, rest 0")
 _op("topk", Group.NN, ["x"], {"k": REQUIRED, "dim": -1}, infer=_topk, flops=_numel_in,
     doc="(values, indices) of the k largest along dim, largest first")
+_op("sort", Group.NN, ["x"], {"dim": -1, "descending": False}, infer=_sort, flops=_numel_in,
+    doc="(values, indices) sorted along dim; stable: equal keys keep their order")
+_op("histc", Group.NN, ["x"], {"bins": REQUIRED, "min": REQUIRED, "max": REQUIRED}, infer=_histc,
+    flops=_numel_in, doc="counts of x in `bins` equal-width bins over [min, max] (x = max falls "
+                         "in the last bin; values outside are not counted), in x's dtype")
+_op("layer_norm", Group.NN, ["x", "weight", "bias"], {"normalized_ndim": 1, "eps": 1e-5},
+    infer=_layer_norm, flops=_norm_flops, saves=("i0", "i1", "o1", "o2"), bwd_factor=2.0,
+    doc="(x - mean) * rstd * weight + bias over the last normalized_ndim dims; weight and bias "
+        "may be none; outputs (out, mean, rstd), mean/rstd with the normalized dims kept as 1")
+_op("dropout", Group.NN, ["x", "seed"], {"p": REQUIRED}, infer=_dropout, flops=_numel_out,
+    saves=("o1",),
+    doc="(x * keep / (1 - p), keep): keep[i] from the counter-based hash DROPOUT_RNG of "
+        "(seed[0], seed[1], i), i the row-major element index — the same bits on every backend")
 _op("one_hot", Group.NN, ["ids"], {"num_classes": REQUIRED}, infer=_one_hot, flops=_zero)
 
 _op("embedding", Group.INDEX, ["weight", "ids"], infer=_embedding, flops=_zero, saves=("i1",),
     doc="weight[ids]")
+_op("index", Group.INDEX, ["x", "indices*"], {"dims": REQUIRED}, infer=_index, flops=_zero,
+    saves=("i1", "i2", "i3"),
+    doc="advanced indexing x[..., i0, ..., i1, ...]: integer index tensors (broadcast together) "
+        "at the increasing `dims`, NumPy's placement rule")
+_op("index_put", Group.INDEX, ["x", "values", "indices*"], {"dims": REQUIRED, "accumulate": False},
+    infer=_index_put, flops=_numel_in, saves=("i2", "i3", "i4"),
+    doc="a copy of x with x[indices at dims] = values (accumulate: +=, duplicates summed)")
+_op("gather", Group.INDEX, ["x", "index"], {"dim": REQUIRED}, infer=_gather, flops=_zero,
+    saves=("i1",), doc="out[..i..] = x[..index[..i..]..] along dim (torch.gather)")
+_op("scatter", Group.INDEX, ["x", "index", "src"], {"dim": REQUIRED}, infer=_scatter, flops=_zero,
+    saves=("i1",), doc="a copy of x with x[..index[..i..]..] = src[..i..] (src may be a scalar)")
+_op("scatter_add", Group.INDEX, ["x", "index", "src"], {"dim": REQUIRED}, infer=_scatter,
+    flops=_numel_in, saves=("i1",), doc="a copy of x with src added at index along dim")
 _op("nll_loss", Group.LOSS, ["logp", "target"], {"reduction": "mean", "ignore_index": -100},
     infer=_nll_loss, flops=_numel_in, saves=("i1", "o1"),
     doc="negative log-likelihood over the last dim; outputs (loss, total_weight)")
@@ -426,8 +625,20 @@ _op("log_softmax_bwd", Group.GRAD, ["grad", "out"], {"dim": REQUIRED}, infer=lam
     flops=_numel_out)
 _op("attention_bwd", Group.GRAD, ["grad", "q", "k", "v", "out", "lse"], {"causal": False, "scale": None},
     infer=_attention_bwd, flops=_attention_bwd_flops, doc="(grad_q, grad_k, grad_v)")
-_op("embedding_bwd", Group.GRAD, ["grad", "ids"], {"num_weights": REQUIRED}, infer=_embedding_bwd,
-    flops=lambda i, o, a: i[0].numel, doc="scatter-add of grad rows into a [num_weights, d] table")
+_op("gelu_bwd", Group.GRAD, ["grad", "x"], {"approximate": "none"}, infer=lambda i, a: [i[0]],
+    flops=_numel_out, doc="grad * d gelu(x)/dx (erf form or tanh approximation)")
+_op("layer_norm_bwd", Group.GRAD, ["grad", "x", "mean", "rstd", "weight", "bias"],
+    {"normalized_ndim": 1}, infer=_layer_norm_bwd, flops=_norm_flops,
+    doc="(grad_x, grad_weight, grad_bias) of layer_norm (weight none: as ones)")
+_op("attention_masked_bwd", Group.GRAD, ["grad", "q", "k", "v", "out", "lse", "mask"],
+    {"causal": False, "scale": None}, infer=_attention_bwd, flops=_attention_bwd_flops,
+    doc="(grad_q, grad_k, grad_v) of attention_masked")
+_op("grouped_mm_bwd", Group.GRAD, ["grad", "x", "w", "offsets"], infer=lambda i, a: [i[1], i[2]],
+    flops=_grouped_mm_bwd_flops, doc="(grad_x, grad_w) of grouped_mm")
+_op("embedding_bwd", Group.GRAD, ["grad", "ids"], {"num_weights": REQUIRED, "padding_idx": -1},
+    infer=_embedding_bwd, flops=lambda i, o, a: i[0].numel,
+    doc="scatter-add of grad rows into a [num_weights, d] table; row padding_idx (if >= 0) "
+        "stays 0")
 _op("slice_bwd", Group.GRAD, ["grad"], {"shape": REQUIRED, "dim": REQUIRED, "start": None,
                                         "end": None, "step": 1},
     infer=lambda i, a: [TensorType(i[0].dtype, tuple(a["shape"]))], flops=_zero,

@@ -67,6 +67,96 @@ def test_attention_forward_and_backward_match_torch_autograd(backend, causal):
         np.testing.assert_allclose(_np(backend, got), want.numpy(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_masked_grouped_query_attention_matches_torch_autograd(backend, mask_kind):
+    """attention_masked (and attention, for mask none) with 4 query heads over 2 kv heads: out
+    and (dq, dk, dv) as autograd through F.scaled_dot_product_attention(enable_gqa=True)."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 12, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 12, 8)).astype(np.float32) for _ in range(2))
+    g = rng.standard_normal((2, 4, 12, 8)).astype(np.float32)
+    keep = rng.random((2, 1, 12, 12)) < 0.6
+    keep[..., np.arange(12), np.arange(12)] = True                # no row fully masked
+    mask = {"bool": keep, "additive": rng.standard_normal((1, 1, 12, 12)).astype(np.float32),
+            "none": None}[mask_kind]
+    tq, tk, tv = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, k, v))
+    tm = None if mask is None else torch.tensor(mask if mask.dtype == bool else
+                                                mask.astype(np.float64))
+    ref = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, is_causal=mask is None,
+                                         scale=0.3, enable_gqa=True)
+    ref.backward(torch.tensor(g, dtype=torch.float64))
+    ins = [_to(backend, a) for a in (q, k, v)]
+    if mask is None:
+        fwd, bwd, extra, attrs = "attention", "attention_bwd", [], {"causal": True, "scale": 0.3}
+    else:
+        m = backend.from_numpy(mask, "bool") if mask.dtype == bool else _to(backend, mask)
+        fwd, bwd, extra, attrs = "attention_masked", "attention_masked_bwd", [m], {"scale": 0.3}
+    out, lse = backend.ops[fwd](*ins, *extra, **attrs)
+    np.testing.assert_allclose(_np(backend, out), ref.detach().numpy(), atol=1e-5, rtol=1e-4)
+    grads = backend.ops[bwd](_to(backend, g), *ins, out, lse, *extra, **attrs)
+    for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        assert _np(backend, got).shape == tuple(want.shape)
+        np.testing.assert_allclose(_np(backend, got), want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_and_gelu_backward_match_torch_autograd(backend):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    w, b = (rng.standard_normal(16).astype(np.float32) for _ in range(2))
+    g = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    ref = F.gelu(F.layer_norm(tx, (16,), tw, tb, 1e-5), approximate="tanh")
+    ref.backward(torch.tensor(g, dtype=torch.float64))
+    ops = backend.ops
+    y, mean, rstd = ops["layer_norm"](_to(backend, x), _to(backend, w), _to(backend, b), eps=1e-5)
+    out = ops["gelu"](y, approximate="tanh")
+    np.testing.assert_allclose(_np(backend, out), ref.detach().numpy(), atol=1e-5, rtol=1e-4)
+    gy = ops["gelu_bwd"](_to(backend, g), y, approximate="tanh")
+    gx, gw, gb = ops["layer_norm_bwd"](gy, _to(backend, x), mean, rstd, _to(backend, w),
+                                       _to(backend, b))
+    for got, want in zip((gx, gw, gb), (tx.grad, tw.grad, tb.grad)):
+        np.testing.assert_allclose(_np(backend, got), want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_mm_matches_per_expert_autograd(backend):
+    """Rows sorted by expert: rows offs[e-1]:offs[e] go through w[e]; an empty group and rows
+    past the last offset (no expert: zero output, zero gradient) included."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((20, 6)).astype(np.float32)
+    w = rng.standard_normal((3, 6, 5)).astype(np.float32)
+    offs = np.array([7, 7, 18], dtype=np.int64)
+    g = rng.standard_normal((20, 5)).astype(np.float32)
+    tx, tw = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w))
+    ref = torch.cat([tx[:7] @ tw[0], tx[7:18] @ tw[2], tx[18:] * 0 @ tw[0]])
+    ref.backward(torch.tensor(g, dtype=torch.float64))
+    ins = [_to(backend, x), _to(backend, w), _to(backend, offs)]
+    np.testing.assert_allclose(_np(backend, backend.ops["grouped_mm"](*ins)), ref.detach().numpy(),
+                               atol=1e-5, rtol=1e-5)
+    gx, gw = backend.ops["grouped_mm_bwd"](_to(backend, g), *ins)
+    np.testing.assert_allclose(_np(backend, gx), tx.grad.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_np(backend, gw), tw.grad.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_masks_are_the_same_bits_on_both_backends():
+    """The dropout op's mask is a counter-based hash of (seed, counter, element index): the same
+    on every backend, a fresh one per counter, and about 1 - p of it kept."""
+    tb, nb = TorchBackend(), NumpyBackend()
+    x = np.random.default_rng(8).standard_normal((4, 1000)).astype(np.float32)
+    masks = []
+    for seed, counter in [(0, 0), (0, 1), (1, 0), (-7, 2 ** 40)]:
+        s = np.array([seed, counter], dtype=np.int64)
+        out_t, keep_t = tb.ops["dropout"](tb.from_numpy(x, "f32"), tb.from_numpy(s, "i64"), p=0.25)
+        out_n, keep_n = nb.ops["dropout"](x, s, p=0.25)
+        np.testing.assert_array_equal(tb.to_numpy(keep_t), keep_n)
+        np.testing.assert_array_equal(tb.to_numpy(out_t), out_n)
+        np.testing.assert_array_equal(out_n, np.where(keep_n, x * np.float32(1 / 0.75), 0))
+        assert abs(keep_n.mean() - 0.75) < 0.02
+        masks.append(keep_n)
+    assert all((a != b).mean() > 0.3 for i, a in enumerate(masks) for b in masks[i + 1:])
+    _, none_dropped = nb.ops["dropout"](x, np.array([3, 4]), p=0.0)
+    assert none_dropped.all()
+
+
 def test_cross_entropy_backward_through_nll_and_log_softmax_kernels(backend):
     """log_softmax -> nll_loss (mean, ignore_index) forward and both backward kernels compose to
     the gradient torch autograd gives for F.cross_entropy."""

@@ -183,8 +183,14 @@ def _torch_mutants(k):
     def attention_bwd(*args, **attrs):
         dq, dk, dv = k["attention_bwd"](*args, **attrs)
         return dq, dv, dk                                        # dk and dv swapped
+
+    def dropout(x, seed, p):
+        return k["dropout"](x, seed + 1, p)                      # the counter off by one
+
+    def index_put(x, values, *indices, dims, accumulate=False):
+        return k["index_put"](x, values, *indices, dims=dims, accumulate=False)   # duplicates lost
     return {"add": add, "softmax": softmax, "bmm": bmm, "rsqrt": rsqrt,
-            "attention_bwd": attention_bwd}
+            "attention_bwd": attention_bwd, "dropout": dropout, "index_put": index_put}
 
 
 def _numpy_mutants(k):
@@ -203,7 +209,18 @@ def _numpy_mutants(k):
 
     def attention(q, k_, v, causal=False, scale=None):
         return k["attention"](q, k_, v, False, scale)            # the causal mask ignored
-    return {"add": add, "softmax": softmax, "mm": mm, "rsqrt": rsqrt, "attention": attention}
+
+    def attention_masked(q, k_, v, mask, causal=False, scale=None):
+        return k["attention"](q, k_, v, causal, scale)           # the mask tensor ignored
+
+    def layer_norm_bwd(grad, x, mean, rstd, weight, bias, normalized_ndim=1):
+        dx, dw, db = k["layer_norm_bwd"](grad, x, mean, rstd, weight, bias, normalized_ndim)
+        return dx, dw, db * np.float32(0.5)                      # half the bias gradient
+
+    def sort(x, dim=-1, descending=False):
+        return k["sort"](x, dim, False)                          # descending ignored
+    return {"add": add, "softmax": softmax, "mm": mm, "rsqrt": rsqrt, "attention": attention,
+            "attention_masked": attention_masked, "layer_norm_bwd": layer_norm_bwd, "sort": sort}
 
 
 @pytest.mark.parametrize("backend,mutants", [(TorchBackend, _torch_mutants),

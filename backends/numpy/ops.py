@@ -17,6 +17,7 @@ from functools import wraps
 
 import numpy as np
 
+from h2ir.opset import DROPOUT_RNG, dropout_threshold
 from h2ir.types import host_dtype
 
 # The h2ir dtypes the numpy backend computes in: none of bf16/f16 (see runtime.py).
@@ -95,9 +96,36 @@ def silu(x):
     return np.divide(x, e, out=e)
 
 
-def gelu(x):
-    phi = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
-    return (x * phi).astype(x.dtype, copy=False)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_KAPPA = 0.044715
+
+
+def _gelu_tanh_inner(x64):
+    return np.tanh(_SQRT_2_OVER_PI * (x64 + _GELU_KAPPA * x64 * x64 * x64))
+
+
+def gelu(x, approximate="none"):
+    """x * Phi(x), Phi evaluated in f64: by erf, or by the tanh approximation
+    0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks & Gimpel 2016, Sec. 2)."""
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        phi = 0.5 * (1.0 + _gelu_tanh_inner(x64))
+    else:
+        phi = 0.5 * (1.0 + erf(x64 * (1.0 / math.sqrt(2.0))))
+    return (x64 * phi).astype(x.dtype, copy=False)
+
+
+def gelu_bwd(grad, x, approximate="none"):
+    """grad * d gelu/dx in f64: Phi(x) + x phi(x) (erf form), or the derivative of the tanh form."""
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        t = _gelu_tanh_inner(x64)
+        d = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * _GELU_KAPPA * x64 * x64)
+    else:
+        d = 0.5 * (1.0 + erf(x64 * (1.0 / math.sqrt(2.0)))) + x64 * np.exp(-0.5 * x64 * x64) / \
+            math.sqrt(2.0 * math.pi)
+    return (grad.astype(np.float64) * d).astype(grad.dtype, copy=False)
 
 
 def rsqrt(x):
@@ -114,9 +142,9 @@ def reciprocal(x):
 
 UNARY = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": rsqrt,
-    "tanh": np.tanh, "sigmoid": sigmoid, "relu": relu, "silu": silu, "gelu": gelu,
+    "tanh": np.tanh, "sigmoid": sigmoid, "relu": relu, "silu": silu,
     "abs": np.abs, "reciprocal": reciprocal, "sin": np.sin, "cos": np.cos,
-    "logical_not": np.logical_not, "copy": np.copy,
+    "logical_not": np.logical_not, "bitwise_not": np.invert, "copy": np.copy,
 }
 
 # NumPy >= 2 treats Python scalars as weak (NEP 50): f32 array + 1e-5 stays f32, as in torch.
@@ -125,7 +153,9 @@ BINARY = {
     "maximum": np.maximum, "minimum": np.minimum,
     "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
     "gt": np.greater, "ge": np.greater_equal,
-    "logical_and": np.logical_and, "logical_or": np.logical_or,
+    "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
+    "power": np.power, "floor_divide": np.floor_divide, "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
 }
 
 
@@ -153,6 +183,14 @@ def sum_(x, dims=None, keepdim=False):
 def mean(x, dims=None, keepdim=False):
     return np.mean(x, axis=_dims(dims, x.ndim), keepdims=keepdim, dtype=_acc(x.dtype)).astype(
         x.dtype, copy=False)
+
+
+def cumsum(x, dim, dtype=None):
+    """Prefix sums; floats accumulate in f64 (as torch's CPU kernel), ints and bool in i64."""
+    out = NP_DTYPE[dtype] if dtype else (x.dtype if np.issubdtype(x.dtype, np.floating)
+                                         else np.dtype(np.int64))
+    acc = np.float64 if np.issubdtype(out, np.floating) else np.int64
+    return np.cumsum(x, axis=dim, dtype=acc).astype(out, copy=False)
 
 
 def amax(x, dims=None, keepdim=False):
@@ -209,28 +247,48 @@ def bmm(a, b):
     return np.matmul(a, b)
 
 
-def _scores(q, k, causal, scale):
+def _repeat_heads(t, h_q):
+    """Grouped-query attention: key/value head j serves query heads j*g .. j*g+g-1."""
+    g = h_q // t.shape[1]
+    return t if g == 1 else np.repeat(t, g, axis=1)
+
+
+def _sum_heads(dt, h_kv):
+    """The gradient of _repeat_heads: sum each group of query heads back into its kv head."""
+    b, h, *rest = dt.shape
+    return dt if h == h_kv else dt.reshape(b, h_kv, h // h_kv, *rest).sum(axis=2)
+
+
+def _scores(q, k, causal, scale, mask=None):
     """Scaled scores q k^T * scale with the causal mask applied as an additive 0/-inf table
-    (a broadcast add is ~6x faster than boolean-index assignment on [b,h,s,s])."""
+    (a broadcast add is ~6x faster than boolean-index assignment on [b,h,s,s]), and the mask
+    tensor (bool: true attends; else additive)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    s = np.matmul(q * q.dtype.type(scale), np.swapaxes(_repeat_heads(k, q.shape[1]), -1, -2))
     if causal:
         # top-left aligned, as torch's is_causal: query i sees keys 0..i
         s_q, s_k = q.shape[-2], k.shape[-2]
         s += np.where(np.triu(np.ones((s_q, s_k), dtype=bool), k=1), -np.inf, 0).astype(q.dtype)
+    if mask is not None:
+        s += np.where(mask, 0, -np.inf).astype(q.dtype) if mask.dtype == np.bool_ else mask
     return s, scale
 
 
 def attention(q, k, v, causal=False, scale=None):
     """softmax(q k^T * scale [+ causal mask]) v over [b,h,s,d] and the logsumexp of the scaled,
     masked scores (f32 [b,h,s]) — what the backward recomputes P from."""
-    p, _ = _scores(q, k, causal, scale)
+    return attention_masked(q, k, v, None, causal, scale)
+
+
+def attention_masked(q, k, v, mask, causal=False, scale=None):
+    """attention with a mask tensor (bool or additive) broadcast over [b,h,s_q,s_k]."""
+    p, _ = _scores(q, k, causal, scale, mask)
     m = p.max(axis=-1, keepdims=True)
     p -= m                                   # in place: the [b,h,s,s] buffer is the big one
     np.exp(p, out=p)
     denom = p.sum(axis=-1, keepdims=True)
     p /= denom
-    out = np.matmul(p, v)
+    out = np.matmul(p, _repeat_heads(v, q.shape[1]))
     lse = (m + np.log(denom))[..., 0]
     return out, lse.astype(np.float32)
 
@@ -238,17 +296,45 @@ def attention(q, k, v, causal=False, scale=None):
 def attention_bwd(grad, q, k, v, out, lse, causal=False, scale=None):
     """(dq, dk, dv) with P recomputed from the logsumexp; dS = P * (dP - rowsum(dO * O))
     (FlashAttention-2, Dao 2023, Alg. 2)."""
-    p, scale = _scores(q, k, causal, scale)
+    return attention_masked_bwd(grad, q, k, v, out, lse, None, causal, scale)
+
+
+def attention_masked_bwd(grad, q, k, v, out, lse, mask, causal=False, scale=None):
+    p, scale = _scores(q, k, causal, scale, mask)
     p -= lse.astype(q.dtype)[..., None]
     np.exp(p, out=p)
+    h = q.shape[1]
     dv = np.matmul(np.swapaxes(p, -1, -2), grad)
-    dp = np.matmul(grad, np.swapaxes(v, -1, -2))
+    dp = np.matmul(grad, np.swapaxes(_repeat_heads(v, h), -1, -2))
     delta = np.sum(grad * out, axis=-1, keepdims=True, dtype=_acc(q.dtype)).astype(q.dtype)
     ds = p * (dp - delta)
     ds *= q.dtype.type(scale)
-    dq = np.matmul(ds, k)
+    dq = np.matmul(ds, _repeat_heads(k, h))
     dk = np.matmul(np.swapaxes(ds, -1, -2), q)
-    return dq, dk, dv
+    return dq, _sum_heads(dk, k.shape[1]), _sum_heads(dv, v.shape[1])
+
+
+def grouped_mm(x, w, offsets):
+    """Rows offsets[e-1]:offsets[e] of x times w[e]; rows past the last offset stay 0."""
+    out = np.zeros((x.shape[0], w.shape[2]), dtype=x.dtype)
+    start = 0
+    for e, end in enumerate(np.asarray(offsets).tolist()):
+        if end > start:
+            np.matmul(x[start:end], w[e], out=out[start:end])
+        start = max(start, end)
+    return out
+
+
+def grouped_mm_bwd(grad, x, w, offsets):
+    gx = np.zeros_like(x)
+    gw = np.zeros_like(w)
+    start = 0
+    for e, end in enumerate(np.asarray(offsets).tolist()):
+        if end > start:
+            gx[start:end] = np.matmul(grad[start:end], w[e].T)
+            gw[e] = np.matmul(x[start:end].T, grad[start:end])
+        start = max(start, end)
+    return gx, gw
 
 
 # ---- nn ------------------------------------------------------------------------------------------
@@ -275,6 +361,62 @@ def log_softmax_bwd(grad, out, dim):
     return grad - np.exp(out) * total
 
 
+def layer_norm(x, weight, bias, normalized_ndim=1, eps=1e-5):
+    """(out, mean, rstd) over the last normalized_ndim dims, computed in f64 for f32 inputs."""
+    axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
+    x64 = x.astype(np.float64)
+    mu = x64.mean(axis=axes, keepdims=True)
+    xc = x64 - mu
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
+    out = xc * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.astype(x.dtype), mu.astype(x.dtype), rstd.astype(x.dtype)
+
+
+def layer_norm_bwd(grad, x, mean, rstd, weight, bias, normalized_ndim=1):
+    """dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = grad * weight; dweight =
+    sum(grad xhat), dbias = sum(grad) over the leading dims (f64 inside)."""
+    axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
+    lead = tuple(range(x.ndim - normalized_ndim))
+    g64, r64 = grad.astype(np.float64), rstd.astype(np.float64)
+    xhat = (x.astype(np.float64) - mean.astype(np.float64)) * r64
+    g = g64 * weight if weight is not None else g64
+    dx = r64 * (g - g.mean(axis=axes, keepdims=True)
+                - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    dw = (g64 * xhat).sum(axis=lead)
+    db = g64.sum(axis=lead)
+    return dx.astype(x.dtype), dw.astype(x.dtype), db.astype(x.dtype)
+
+
+def _mix64(z):
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic; h2ir.opset.DROPOUT_RNG)."""
+    s1, s2, s3 = DROPOUT_RNG["shifts"]
+    z = (z ^ (z >> np.uint64(s1))) * np.uint64(DROPOUT_RNG["m1"])
+    z = (z ^ (z >> np.uint64(s2))) * np.uint64(DROPOUT_RNG["m2"])
+    return z ^ (z >> np.uint64(s3))
+
+
+def _dropout_keep(seed: int, counter: int, shape: tuple, p: float) -> np.ndarray:
+    gamma = np.uint64(DROPOUT_RNG["gamma"])
+    s = np.array([seed], dtype=np.int64).view(np.uint64)
+    c = np.array([counter], dtype=np.int64).view(np.uint64)
+    key = _mix64(s ^ _mix64(c + gamma))
+    i = np.arange(1, math.prod(shape) + 1, dtype=np.uint64)
+    bits = _mix64(key + i * gamma) >> np.uint64(64 - DROPOUT_RNG["bits"])
+    return (bits >= np.uint64(dropout_threshold(p))).reshape(shape)
+
+
+def dropout(x, seed, p):
+    """(x * keep / (1 - p), keep) with keep from the counter-based hash of (seed, counter, i)."""
+    seed = np.asarray(seed)
+    keep = _dropout_keep(int(seed[0]), int(seed[1]), x.shape, p)
+    scale = x.dtype.type(1.0 / (1.0 - p))
+    return np.where(keep, x * scale, x.dtype.type(0)), keep
+
+
 def silu_bwd(grad, x):
     s = sigmoid(x)
     return grad * s * (1 + x * (1 - s))
@@ -297,6 +439,30 @@ def topk(x, k, dim=-1):
     return np.moveaxis(vals, -1, dim).copy(), np.moveaxis(idx, -1, dim).astype(np.int64)
 
 
+def sort(x, dim=-1, descending=False):
+    """Stable sort along dim; descending keeps equal keys in their order too (as torch's
+    stable=True): an ascending stable sort of the reversed axis, read backwards."""
+    if not descending:
+        idx = np.argsort(x, axis=dim, kind="stable")
+    else:
+        n = x.shape[dim]
+        rev = np.flip(x, axis=dim)
+        idx = (n - 1) - np.flip(np.argsort(rev, axis=dim, kind="stable"), axis=dim)
+    return np.take_along_axis(x, idx, axis=dim), idx.astype(np.int64)
+
+
+def histc(x, bins, min, max):
+    """torch.histc: bin = floor((x - min) * bins / (max - min)), x = max in the last bin, values
+    outside [min, max] dropped; computed in x's float dtype (f64 for integers), counts in x's dtype."""
+    ft = x.dtype if np.issubdtype(x.dtype, np.floating) else np.dtype(np.float64)
+    xf = x.reshape(-1).astype(ft)
+    lo, hi = ft.type(min), ft.type(max)
+    xf = xf[(xf >= lo) & (xf <= hi)]
+    pos = ((xf - lo) * ft.type(bins) / (hi - lo)).astype(np.int64)
+    pos = np.minimum(pos, bins - 1)
+    return np.bincount(pos, minlength=bins).astype(x.dtype)
+
+
 def one_hot(ids, num_classes):
     return (ids[..., None] == np.arange(num_classes)).astype(np.int64)
 
@@ -307,6 +473,58 @@ def embedding(weight, ids):
     return np.take(weight, ids, axis=0)
 
 
+def _index_tuple(rank: int, dims, indices) -> tuple:
+    key = [slice(None)] * (max(dims) + 1)
+    for d, i in zip(dims, indices):
+        key[d] = i
+    return tuple(key)
+
+
+def index(x, *indices, dims):
+    return x[_index_tuple(x.ndim, dims, indices)]
+
+
+def index_put(x, values, *indices, dims, accumulate=False):
+    out = x.copy()
+    key = _index_tuple(x.ndim, dims, indices)
+    values = np.asarray(values, dtype=x.dtype)
+    if accumulate:
+        np.add.at(out, key, values)
+    else:
+        out[key] = values
+    return out
+
+
+def _along(index, dim: int) -> tuple:
+    """The full index tuple of torch's gather/scatter: index at `dim`, the position elsewhere."""
+    grid = list(np.ix_(*[np.arange(n) for n in index.shape]))
+    grid[dim] = index
+    return tuple(grid)
+
+
+def _src_part(src, index):
+    """src[..i..] for i in index's shape (src may be larger, or a scalar)."""
+    if not isinstance(src, np.ndarray) or src.ndim == 0:
+        return src
+    return src[tuple(slice(0, n) for n in index.shape)]
+
+
+def gather(x, index, dim):
+    return x[_along(index, dim)]
+
+
+def scatter(x, index, src, dim):
+    out = x.copy()
+    out[_along(index, dim)] = _src_part(src, index)
+    return out
+
+
+def scatter_add(x, index, src, dim):
+    out = x.copy()
+    np.add.at(out, _along(index, dim), _src_part(src, index))
+    return out
+
+
 def slice_bwd(grad, shape, dim, start=None, end=None, step=1):
     out = np.zeros(shape, dtype=grad.dtype)
     idx = [slice(None)] * len(shape)
@@ -315,9 +533,10 @@ def slice_bwd(grad, shape, dim, start=None, end=None, step=1):
     return out
 
 
-def embedding_bwd(grad, ids, num_weights):
+def embedding_bwd(grad, ids, num_weights, padding_idx=-1):
     """Scatter-add of grad rows into a [num_weights, d] table: sort the ids once, then sum each
-    run of equal ids with one np.add.reduceat (no per-element Python loop)."""
+    run of equal ids with one np.add.reduceat (no per-element Python loop). Row padding_idx
+    (when >= 0) gets no gradient."""
     d = grad.shape[-1]
     flat = ids.reshape(-1)
     rows = grad.reshape(-1, d)
@@ -328,6 +547,8 @@ def embedding_bwd(grad, ids, num_weights):
     sorted_ids = flat[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
     out[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+    if padding_idx is not None and padding_idx >= 0:
+        out[padding_idx] = 0
     return out
 
 
@@ -387,15 +608,21 @@ def kernel_table() -> dict:
     ops = dict(UNARY)
     ops.update(BINARY)
     ops.update({
-        "cast": cast, "pow": pow_, "where": where,
-        "sum": sum_, "mean": mean, "amax": amax, "amin": amin,
+        "cast": cast, "pow": pow_, "where": where, "gelu": gelu,
+        "sum": sum_, "mean": mean, "amax": amax, "amin": amin, "cumsum": cumsum,
         "reshape": reshape, "permute": permute, "transpose": transpose, "expand": expand,
         "slice": slice_, "select": select, "cat": cat, "split": split,
         "mm": mm, "bmm": bmm, "attention": attention, "attention_bwd": attention_bwd,
+        "attention_masked": attention_masked, "attention_masked_bwd": attention_masked_bwd,
+        "grouped_mm": grouped_mm, "grouped_mm_bwd": grouped_mm_bwd,
         "softmax": softmax, "log_softmax": log_softmax, "tril": tril, "topk": topk,
+        "sort": sort, "histc": histc, "layer_norm": layer_norm, "dropout": dropout,
         "one_hot": one_hot, "embedding": embedding, "nll_loss": nll_loss,
+        "index": index, "index_put": index_put, "gather": gather, "scatter": scatter,
+        "scatter_add": scatter_add,
         "full": full, "arange": arange,
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
+        "gelu_bwd": gelu_bwd, "layer_norm_bwd": layer_norm_bwd,
         "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
     })
     return {name: _as_array(fn) for name, fn in ops.items()}

@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from h2ir.opset import DROPOUT_RNG, dropout_threshold
 from h2ir.types import DTYPE_TABLE
 
 aten = torch.ops.aten
@@ -58,14 +59,17 @@ def _first_tensor(*xs) -> torch.Tensor:
 UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu,
-    "gelu": F.gelu, "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
-    "cos": torch.cos, "logical_not": torch.logical_not, "copy": torch.clone,
+    "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
+    "cos": torch.cos, "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not,
+    "copy": torch.clone,
 }
 
 # Python operators accept a scalar on either side and promote it as torch promotes scalars.
 BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
           "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
-          "gt": operator.gt, "ge": operator.ge}
+          "gt": operator.gt, "ge": operator.ge, "power": operator.pow,
+          "floor_divide": operator.floordiv, "bitwise_and": operator.and_,
+          "bitwise_or": operator.or_, "bitwise_xor": operator.xor}
 
 
 def _tensor_pair(fn):
@@ -86,6 +90,19 @@ def cast(x, dtype):
 
 def pow_(x, exponent):
     return torch.pow(x, exponent)
+
+
+def gelu(x, approximate="none"):
+    return F.gelu(x, approximate=approximate)
+
+
+def gelu_bwd(grad, x, approximate="none"):
+    return aten.gelu_backward(grad, x, approximate=approximate)
+
+
+def cumsum(x, dim, dtype=None):
+    out = TORCH_DTYPE[dtype] if dtype else (x.dtype if x.is_floating_point() else torch.int64)
+    return torch.cumsum(x, dim, dtype=out)
 
 
 # ---- reductions ----------------------------------------------------------------------------------
@@ -152,8 +169,107 @@ def topk(x, k, dim=-1):
     return values, indices
 
 
+def sort(x, dim=-1, descending=False):
+    values, indices = torch.sort(x, dim=dim, descending=descending, stable=True)
+    return values, indices
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def histc(x, bins, min, max):
+    # torch.histc has no integer kernel on CPU: integers are binned in f64 (exact for ids);
+    # bf16/f16 in f32 (ATen computes their bin positions and counts in the low precision)
+    xf = x.to(torch.float64) if not x.is_floating_point() else \
+        x.float() if x.dtype in _LOW_PRECISION else x
+    return torch.histc(xf, bins, min, max).to(x.dtype)
+
+
+def layer_norm(x, weight, bias, normalized_ndim=1, eps=1e-5):
+    out, mean, rstd = aten.native_layer_norm(x, list(x.shape[x.dim() - normalized_ndim:]), weight,
+                                             bias, eps)
+    return out, mean.to(x.dtype), rstd.to(x.dtype)   # CUDA keeps the statistics in f32
+
+
+def layer_norm_bwd(grad, x, mean, rstd, weight, bias, normalized_ndim=1):
+    shape = list(x.shape[x.dim() - normalized_ndim:])
+    if weight is None:           # ATen returns no weight gradient then: differentiate at ones
+        weight = x.new_ones(shape)
+    if bias is None:
+        bias = x.new_zeros(shape)
+    if x.dtype in _LOW_PRECISION:
+        # ATen's CPU kernel sums dweight/dbias in bf16/f16 (errors of ~sqrt(rows) ulps): sum in
+        # f32, as its CUDA kernel does, and round once
+        ins = (t.float() for t in (grad, x, mean, rstd, weight, bias))
+        return tuple(t.to(x.dtype) for t in layer_norm_bwd(*ins, normalized_ndim))
+    return tuple(aten.native_layer_norm_backward(grad, x, shape, mean, rstd, weight, bias,
+                                                 [True, True, True]))
+
+
+def _as_signed(u: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (>> on int64 is arithmetic: mask the sign copies)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors read as uint64 (h2ir.opset.DROPOUT_RNG); int64
+    multiplication wraps modulo 2^64 like uint64's."""
+    s1, s2, s3 = DROPOUT_RNG["shifts"]
+    z = (z ^ _shr(z, s1)) * _as_signed(DROPOUT_RNG["m1"])
+    z = (z ^ _shr(z, s2)) * _as_signed(DROPOUT_RNG["m2"])
+    return z ^ _shr(z, s3)
+
+
+def dropout_keep(seed: torch.Tensor, shape, p: float) -> torch.Tensor:
+    gamma = _as_signed(DROPOUT_RNG["gamma"])
+    seed = seed.to(torch.int64)
+    key = _mix64(seed[0:1] ^ _mix64(seed[1:2] + gamma))
+    i = torch.arange(1, math.prod(shape) + 1, dtype=torch.int64, device=seed.device)
+    bits = _shr(_mix64(key + i * gamma), 64 - DROPOUT_RNG["bits"])
+    return (bits >= dropout_threshold(p)).reshape(shape)
+
+
+def dropout(x, seed, p):
+    keep = dropout_keep(seed, tuple(x.shape), p)
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=x.dtype, device=x.device)
+    return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device)), keep
+
+
 def one_hot(ids, num_classes):
     return F.one_hot(ids, num_classes)
+
+
+def _index_list(dims, indices) -> list:
+    key = [None] * (max(dims) + 1)
+    for d, i in zip(dims, indices):
+        key[d] = i
+    return key
+
+
+def index(x, *indices, dims):
+    return aten.index(x, _index_list(dims, indices))
+
+
+def index_put(x, values, *indices, dims, accumulate=False):
+    values = _tensor_operand(values, x).to(x.dtype)
+    return aten.index_put(x, _index_list(dims, indices), values, accumulate)
+
+
+def gather(x, index, dim):
+    return torch.gather(x, dim, index)
+
+
+def scatter(x, index, src, dim):
+    return torch.scatter(x, dim, index, src)
+
+
+def scatter_add(x, index, src, dim):
+    return torch.scatter_add(x, dim, index, src)
 
 
 def embedding(weight, ids):
@@ -176,13 +292,16 @@ def log_softmax_bwd(grad, out, dim):
     return aten._log_softmax_backward_data(grad, out, dim, out.dtype)
 
 
-def embedding_bwd(grad, ids, num_weights):
+def embedding_bwd(grad, ids, num_weights, padding_idx=-1):
     # index_add_ is several times faster than embedding_dense_backward on CPU; on CUDA the
     # dense backward kernel is the tuned one.
     if grad.device.type != "cpu":
-        return aten.embedding_dense_backward(grad, ids, num_weights, -1, False)
+        return aten.embedding_dense_backward(grad, ids, num_weights, padding_idx, False)
     d = grad.shape[-1]
-    return grad.new_zeros(num_weights, d).index_add_(0, ids.reshape(-1), grad.reshape(-1, d))
+    out = grad.new_zeros(num_weights, d).index_add_(0, ids.reshape(-1), grad.reshape(-1, d))
+    if padding_idx >= 0:
+        out[padding_idx] = 0
+    return out
 
 
 def slice_bwd(grad, shape, dim, start=None, end=None, step=1):
@@ -209,56 +328,130 @@ def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
     return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril()
 
 
-def attention_math(q, k, v, causal=False, scale=None):
-    """softmax(q k^T * scale) v and its logsumexp (f32 [b,h,s]), in the accumulate dtype."""
+def _repeat_heads(t: torch.Tensor, h_q: int) -> torch.Tensor:
+    """Grouped-query attention: key/value head j serves query heads j*g .. j*g+g-1."""
+    g = h_q // t.shape[1]
+    return t if g == 1 else t.repeat_interleave(g, dim=1)
+
+
+def _sum_heads(dt: torch.Tensor, h_kv: int) -> torch.Tensor:
+    b, h, *rest = dt.shape
+    return dt if h == h_kv else dt.reshape(b, h_kv, h // h_kv, *rest).sum(2)
+
+
+def _additive_mask(mask, dtype) -> torch.Tensor | None:
+    """A bool mask (true attends) as the additive 0/-inf form ATen's kernels take."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+
+
+def _math_scores(q_, k_, causal, scale, mask):
+    scores = torch.matmul(q_, _repeat_heads(k_, q_.shape[1]).transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q_.shape[-2], k_.shape[-2], q_.device), -math.inf)
+    if mask is not None:
+        scores = scores + _additive_mask(mask, scores.dtype)
+    return scores
+
+
+def attention_masked_math(q, k, v, mask, causal=False, scale=None):
+    """softmax(q k^T * scale + mask) v and its logsumexp (f32 [b,h,s]), in the accumulate dtype."""
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), -math.inf)
+    scores = _math_scores(q.to(acc), k.to(acc), causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse.unsqueeze(-1))
-    out = torch.matmul(p, v.to(acc)).to(q.dtype)
+    out = torch.matmul(p, _repeat_heads(v.to(acc), q.shape[1])).to(q.dtype)
     return out, lse.to(torch.float32)
 
 
-def attention_bwd_math(grad, q, k, v, out, lse, causal=False, scale=None):
+def attention_masked_bwd_math(grad, q, k, v, out, lse, mask, causal=False, scale=None):
     """FlashAttention-2's backward (Dao 2023, Alg. 2): P from the saved logsumexp,
-    dS = P * (dP - rowsum(dO * O))."""
+    dS = P * (dP - rowsum(dO * O)); grouped-query heads summed back into their kv head."""
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q_, k_, v_, g_, o_ = (t.to(acc) for t in (q, k, v, grad, out))
-    scores = torch.matmul(q_, k_.transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), -math.inf)
-    p = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    h = q.shape[1]
+    p = torch.exp(_math_scores(q_, k_, causal, scale, mask) - lse.to(acc).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-2, -1), g_)
-    dp = torch.matmul(g_, v_.transpose(-2, -1))
+    dp = torch.matmul(g_, _repeat_heads(v_, h).transpose(-2, -1))
     ds = p * (dp - (g_ * o_).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k_) * scale
+    dq = torch.matmul(ds, _repeat_heads(k_, h)) * scale
     dk = torch.matmul(ds.transpose(-2, -1), q_) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (dq.to(q.dtype), _sum_heads(dk, k.shape[1]).to(k.dtype),
+            _sum_heads(dv, v.shape[1]).to(v.dtype))
 
 
-def attention_flash_cpu(q, k, v, causal=False, scale=None):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def attention_math(q, k, v, causal=False, scale=None):
+    return attention_masked_math(q, k, v, None, causal, scale)
+
+
+def attention_bwd_math(grad, q, k, v, out, lse, causal=False, scale=None):
+    return attention_masked_bwd_math(grad, q, k, v, out, lse, None, causal, scale)
+
+
+def attention_masked_flash_cpu(q, k, v, mask, causal=False, scale=None):
+    # ATen's CPU flash kernel takes grouped-query heads as they are and an additive mask in q's
+    # dtype
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=_additive_mask(mask, q.dtype), scale=scale)
     return out, lse.to(torch.float32)     # the op set's logsumexp is f32 (f64 runs included)
 
 
-def attention_bwd_flash_cpu(grad, q, k, v, out, lse, causal=False, scale=None):
+def attention_masked_bwd_flash_cpu(grad, q, k, v, out, lse, mask, causal=False, scale=None):
     lse = lse.to(_acc_dtype(q.dtype))
     return tuple(aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, scale=scale))
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=_additive_mask(mask, q.dtype),
+        scale=scale))
+
+
+def attention_flash_cpu(q, k, v, causal=False, scale=None):
+    return attention_masked_flash_cpu(q, k, v, None, causal, scale)
+
+
+def attention_bwd_flash_cpu(grad, q, k, v, out, lse, causal=False, scale=None):
+    return attention_masked_bwd_flash_cpu(grad, q, k, v, out, lse, None, causal, scale)
+
+
+# ---- grouped matmul (MoE experts) -----------------------------------------------------------------
+
+def _groups(offsets: torch.Tensor):
+    """(expert, start, end) of each non-empty row group; one host sync for the offsets."""
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            yield e, start, end
+        start = max(start, end)
+
+
+def grouped_mm(x, w, offsets):
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e, s, t in _groups(offsets):
+        torch.mm(x[s:t], w[e], out=out[s:t])
+    return out
+
+
+def grouped_mm_bwd(grad, x, w, offsets):
+    gx, gw = torch.zeros_like(x), torch.zeros_like(w)
+    for e, s, t in _groups(offsets):
+        torch.mm(grad[s:t], w[e].transpose(0, 1), out=gx[s:t])
+        torch.mm(x[s:t].transpose(0, 1), grad[s:t], out=gw[e])
+    return gx, gw
 
 
 # ---- the table -----------------------------------------------------------------------------------
 
-def _autocast_bf16(fn, n_tensor_inputs: int):
-    """bf16 dtype policy: f32 matrix-op inputs run in bf16, f32 results come back (as autocast)."""
+def _autocast_bf16(fn, n_tensor_inputs: int, keep: tuple = ()):
+    """bf16 dtype policy: f32 matrix-op inputs run in bf16, f32 results come back (as autocast).
+    Only f32 tensors among the first n_tensor_inputs are cast, but for the positions in `keep`
+    (masks, offsets and ids are not f32; a logsumexp stays f32)."""
     def kernel(*args, **attrs):
         if args[0].dtype != torch.float32:
             return fn(*args, **attrs)
-        cast_in = [a.to(torch.bfloat16) if i < n_tensor_inputs else a for i, a in enumerate(args)]
+        cast_in = [a.to(torch.bfloat16) if i < n_tensor_inputs and i not in keep
+                   and isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                   for i, a in enumerate(args)]
         res = fn(*cast_in, **attrs)
         if isinstance(res, tuple):
             return tuple(r.to(torch.float32) if r.is_floating_point() else r for r in res)
@@ -277,8 +470,11 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
                          f"{', '.join(DTYPE_POLICIES)})")
     if attention == "auto":
         attention = "flash" if device.type == "cpu" else "math"
-    attn_fwd, attn_bwd = {"flash": (attention_flash_cpu, attention_bwd_flash_cpu),
-                          "math": (attention_math, attention_bwd_math)}[attention]
+    attn_fwd, attn_bwd, masked_fwd, masked_bwd = {
+        "flash": (attention_flash_cpu, attention_bwd_flash_cpu, attention_masked_flash_cpu,
+                  attention_masked_bwd_flash_cpu),
+        "math": (attention_math, attention_bwd_math, attention_masked_math,
+                 attention_masked_bwd_math)}[attention]
 
     def full(shape, value, dtype="f32"):
         return torch.full(tuple(shape), value, dtype=TORCH_DTYPE[dtype], device=device)
@@ -292,21 +488,32 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
         "maximum": _tensor_pair(torch.maximum), "minimum": _tensor_pair(torch.minimum),
         "logical_and": _tensor_pair(torch.logical_and),
         "logical_or": _tensor_pair(torch.logical_or),
-        "cast": cast, "pow": pow_, "where": where,
+        "logical_xor": _tensor_pair(torch.logical_xor),
+        "cast": cast, "pow": pow_, "where": where, "gelu": gelu,
         "sum": _reduction(torch.sum), "mean": _reduction(torch.mean),
-        "amax": _reduction(torch.amax), "amin": _reduction(torch.amin),
+        "amax": _reduction(torch.amax), "amin": _reduction(torch.amin), "cumsum": cumsum,
         "reshape": reshape, "permute": permute, "transpose": transpose, "expand": expand,
         "slice": slice_, "select": select, "cat": cat, "split": split,
         "mm": torch.mm, "bmm": torch.bmm, "attention": attn_fwd, "attention_bwd": attn_bwd,
+        "attention_masked": masked_fwd, "attention_masked_bwd": masked_bwd,
+        "grouped_mm": grouped_mm, "grouped_mm_bwd": grouped_mm_bwd,
         "softmax": softmax, "log_softmax": log_softmax, "tril": tril, "topk": topk,
+        "sort": sort, "histc": histc, "layer_norm": layer_norm, "dropout": dropout,
         "one_hot": one_hot, "embedding": embedding, "nll_loss": nll_loss,
+        "index": index, "index_put": index_put, "gather": gather, "scatter": scatter,
+        "scatter_add": scatter_add,
         "full": full, "arange": arange,
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
+        "gelu_bwd": gelu_bwd, "layer_norm_bwd": layer_norm_bwd,
         "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
     })
     if dtype_policy == "bf16":
         ops["mm"] = _autocast_bf16(torch.mm, 2)
         ops["bmm"] = _autocast_bf16(torch.bmm, 2)
+        ops["grouped_mm"] = _autocast_bf16(grouped_mm, 2)
+        ops["grouped_mm_bwd"] = _autocast_bf16(grouped_mm_bwd, 3)
         ops["attention"] = _autocast_bf16(attn_fwd, 3)
         ops["attention_bwd"] = _autocast_bf16(attn_bwd, 5)    # grad, q, k, v, out; lse stays f32
+        ops["attention_masked"] = _autocast_bf16(masked_fwd, 4)
+        ops["attention_masked_bwd"] = _autocast_bf16(masked_bwd, 7, keep=(5,))   # lse: f32
     return ops
