@@ -165,6 +165,14 @@ def _binary(op, swap=False):
     return f
 
 
+def _div_mode(em, a, b, rounding_mode):
+    if rounding_mode is None:
+        return em("div", a, b)
+    if rounding_mode == "floor":
+        return em("floor_divide", a, b)
+    raise Unsupported(f"div(rounding_mode={rounding_mode!r})")
+
+
 def _unary(op):
     return lambda em, x: em(op, x)
 
@@ -204,25 +212,34 @@ def _scalar_tensor(em, s, *args, _out=None, **kwargs):
 _scalar_tensor.wants_out = True
 
 
-def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-    if attn_mask is not None:
-        raise Unsupported("attention with an explicit attn_mask is not in the op set yet "
-                          "(use is_causal=True)")
+def _no_attention_dropout(dropout_p):
     if dropout_p:
-        raise Unsupported("attention dropout is not supported")
-    return em("attention", q, k, v, causal=bool(is_causal), scale=scale)
+        raise Unsupported("attention dropout (dropout_p > 0) is not lowered: the fused attention "
+                          "ops take no RNG seed yet; train with attention dropout 0")
+
+
+def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    """One fused op either way: `attention` (causal flag only) or `attention_masked` (a mask
+    tensor, bool or additive). Grouped-query heads (k/v with fewer heads) pass as they are."""
+    _no_attention_dropout(dropout_p)
+    if attn_mask is None:
+        return em("attention", q, k, v, causal=bool(is_causal), scale=scale)
+    return em("attention_masked", q, k, v, attn_mask, causal=bool(is_causal), scale=scale)
 
 
 def _sdpa(em, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if enable_gqa:
-        raise Unsupported("attention with enable_gqa is not lowered yet")
+    if q.type.shape[1] != k.type.shape[1] and not enable_gqa:
+        raise Unsupported(f"attention with {q.type.shape[1]} query and {k.type.shape[1]} key "
+                          "heads needs enable_gqa=True")
     return _attention_fwd(em, q, k, v, dropout_p, is_causal, attn_mask, scale)[0]
 
 
 def _attention_bwd(em, g, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
-    if attn_mask is not None:
-        raise Unsupported("attention backward with an explicit attn_mask is not supported")
-    return em("attention_bwd", g, q, k, v, out, lse, causal=bool(is_causal), scale=scale)
+    _no_attention_dropout(dropout_p)
+    if attn_mask is None:
+        return em("attention_bwd", g, q, k, v, out, lse, causal=bool(is_causal), scale=scale)
+    return em("attention_masked_bwd", g, q, k, v, out, lse, attn_mask, causal=bool(is_causal),
+              scale=scale)
 
 
 def _nll_fwd(em, x, target, weight, reduction, ignore_index):
@@ -239,19 +256,212 @@ def _nll_bwd(em, g, x, target, weight, reduction, ignore_index, total_weight):
 
 
 def _embedding_bwd(em, g, ids, num_weights, padding_idx=-1, scale_grad_by_freq=False):
-    if scale_grad_by_freq or padding_idx not in (-1, None):
-        raise Unsupported("embedding backward with padding_idx/scale_grad_by_freq")
-    return em("embedding_bwd", g, ids, num_weights=num_weights)
+    if scale_grad_by_freq:
+        raise Unsupported("embedding backward with scale_grad_by_freq")
+    padding_idx = -1 if padding_idx is None or padding_idx < 0 else padding_idx
+    return em("embedding_bwd", g, ids, num_weights=num_weights, padding_idx=padding_idx)
 
 
 def _where_scalar_other(em, c, a, other):
     return em("where", c, a, other)
 
 
+def _where_scalars(em, c, a, b, _out=None):
+    # two scalars: the traced dtype (the op set's `where` of two scalars is f32)
+    if h2_dtype(_out.dtype) == "f32":
+        return em("where", c, a, b)
+    return em("where", c, em("full", shape=[], value=a, dtype=h2_dtype(_out.dtype)), b)
+
+
+_where_scalars.wants_out = True
+
+
+def _masked_fill(em, x, mask, value):
+    if isinstance(value, Value) and value.type.dtype != x.type.dtype:
+        value = em("cast", value, dtype=x.type.dtype)
+    return em("where", mask, value, x)
+
+
 def _topk(em, x, k, dim=-1, largest=True, sorted=True):
-    if not largest:
-        raise Unsupported("topk(largest=False)")
-    return em("topk", x, k=k, dim=dim % x.type.rank)
+    if largest:
+        return em("topk", x, k=k, dim=dim % x.type.rank)
+    values, indices = em("topk", em("neg", x), k=k, dim=dim % x.type.rank)   # smallest k
+    return em("neg", values), indices
+
+
+# ---- indexing, scans, sorting ---------------------------------------------------------------------
+
+def _index_dims(em, indices) -> tuple[list, list]:
+    """(dims, index values) of an ATen index list (None where a dim is not indexed)."""
+    dims, vals = [], []
+    for d, i in enumerate(indices):
+        if i is None:
+            continue
+        if not isinstance(i, Value):
+            raise Unsupported(f"index list entry {i!r} is not a tensor")
+        if i.type.dtype == "bool":
+            raise Unsupported("indexing with a boolean mask (its result size depends on the data)")
+        dims.append(d)
+        vals.append(i)
+    if not dims:
+        raise Unsupported("an index list without index tensors")
+    return dims, vals
+
+
+def _index(em, x, indices):
+    dims, vals = _index_dims(em, indices)
+    return em("index", x, *vals, dims=dims)
+
+
+def _index_put(em, x, indices, values, accumulate=False):
+    dims, vals = _index_dims(em, indices)
+    if isinstance(values, Value) and values.type.dtype != x.type.dtype:
+        values = em("cast", values, dtype=x.type.dtype)
+    return em("index_put", x, values, *vals, dims=dims, accumulate=bool(accumulate))
+
+
+def _index_add(em, x, dim, index, source, alpha=1):
+    if alpha != 1:
+        source = em("mul", source, alpha)
+    return em("index_put", x, source, index, dims=[dim % x.type.rank], accumulate=True)
+
+
+def _cumsum(em, x, dim, dtype=None, _out=None):
+    return em("cumsum", x, dim=dim % x.type.rank, dtype=h2_dtype(_out.dtype))
+
+
+_cumsum.wants_out = True
+
+
+def _diff(em, x, n=1, dim=-1, prepend=None, append=None):
+    """x[1:] - x[:-1] along dim, n times, after concatenating prepend/append (bool: xor)."""
+    dim %= x.type.rank
+    parts = [t for t in (prepend, x, append) if t is not None]
+    y = em("cat", *parts, dim=dim) if len(parts) > 1 else x
+    for _ in range(n):
+        size = y.type.shape[dim]
+        hi = em("slice", y, dim=dim, start=1)
+        lo = em("slice", y, dim=dim, end=size - 1)
+        y = em("logical_xor" if y.type.dtype == "bool" else "sub", hi, lo)
+    return y
+
+
+def _sort(em, x, dim=-1, descending=False, stable=None):
+    return em("sort", x, dim=dim % x.type.rank, descending=bool(descending))
+
+
+def _histc(em, x, bins=100, min=0, max=0):
+    if max <= min:
+        raise Unsupported("histc with max <= min takes its range from the data")
+    return em("histc", x, bins=bins, min=min, max=max)
+
+
+def _one_hot(em, x, num_classes=-1):
+    if num_classes < 0:
+        raise Unsupported("one_hot without num_classes (its size depends on the data)")
+    return em("one_hot", x, num_classes=num_classes)
+
+
+def _repeat_interleave(em, x, repeats, dim=None, output_size=None):
+    if not isinstance(repeats, int):
+        raise Unsupported("repeat_interleave with a tensor of repeats")
+    if dim is None:
+        x, dim = em("reshape", x, shape=[-1]), 0
+    dim %= x.type.rank
+    s = _shape(x)
+    y = em("reshape", x, shape=s[:dim + 1] + [1] + s[dim + 1:])
+    y = em("expand", y, shape=s[:dim + 1] + [repeats] + s[dim + 1:])
+    return em("reshape", y, shape=s[:dim] + [s[dim] * repeats] + s[dim + 1:])
+
+
+def _repeat(em, x, repeats):
+    """x.repeat(r0, r1, ...): tile each dim (a new leading dim per extra repeat)."""
+    s = [1] * (len(repeats) - x.type.rank) + _shape(x)
+    y = em("reshape", x, shape=s) if s != _shape(x) else x
+    for d, r in enumerate(repeats):
+        if r == 1:
+            continue
+        cur = _shape(y)
+        y = em("reshape", y, shape=cur[:d] + [1] + cur[d:])
+        y = em("expand", y, shape=cur[:d] + [r] + cur[d:])
+        y = em("reshape", y, shape=cur[:d] + [r * cur[d]] + cur[d + 1:])
+    return y
+
+
+# ---- norms and activations -------------------------------------------------------------------------
+
+def _native_layer_norm(em, x, shape, weight, bias, eps):
+    return em("layer_norm", x, weight, bias, normalized_ndim=len(shape), eps=float(eps))
+
+
+def _layer_norm(em, x, shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return _native_layer_norm(em, x, shape, weight, bias, eps)[0]
+
+
+def _layer_norm_bwd(em, g, x, shape, mean, rstd, weight, bias, output_mask):
+    return em("layer_norm_bwd", g, x, mean, rstd, weight, bias, normalized_ndim=len(shape))
+
+
+def _gelu(em, x, approximate="none"):
+    return em("gelu", x, approximate=approximate)
+
+
+def _tanh_bwd(em, g, y):
+    """grad * (1 - tanh^2), from the saved output."""
+    return em("mul", g, em("sub", 1.0, em("mul", y, y)))
+
+
+def _sigmoid_bwd(em, g, y):
+    return em("mul", g, em("mul", y, em("sub", 1.0, y)))
+
+
+def _threshold_bwd(em, g, x, threshold):
+    """relu's backward: grad where x > threshold, else 0."""
+    return em("where", em("le", x, threshold), 0.0, g)
+
+
+def _clamp(em, x, min=None, max=None):
+    if min is not None:
+        x = em("maximum", x, min)
+    if max is not None:
+        x = em("minimum", x, max)
+    return x
+
+
+def _dropout(em, x, p, train):
+    if p == 0 or not train:
+        return x
+    raise Unsupported("dropout with p > 0 in training: the op set's `dropout` op takes an RNG "
+                      "seed tensor, which stage programs do not carry yet; train with dropout 0")
+
+
+def _native_dropout(em, x, p, train):
+    if p == 0 or not train:
+        return x, em("full", shape=_shape(x), value=True, dtype="bool")
+    return _dropout(em, x, p, train)
+
+
+def _native_dropout_bwd(em, g, mask, scale):
+    return em("where", mask, em("mul", g, scale), 0.0)
+
+
+def _grouped_mm(em, x, w, offs):
+    return em("grouped_mm", x, w, offs)
+
+
+def _grouped_mm_bwd(em, x, w, offs, g):
+    return em("grouped_mm_bwd", g, x, w, offs)
+
+
+def _inplace(fn):
+    """An in-place ATen op (x.div_(y), inv[perm] = ...) lowered as its functional form; the
+    lowering then rebinds the mutated input to the result, so later readers of it see the new
+    value. torch.export graphs keep such ops; AOTAutograd's graphs are already functional."""
+    def f(em, *args, **kwargs):
+        return fn(em, *args, **kwargs)
+    f.inplace = True
+    f.wants_out = getattr(fn, "wants_out", False)
+    return f
 
 
 def _arange(em, *args, _out=None, dtype=None, **kwargs):
@@ -291,13 +501,31 @@ ATEN: dict = {
     aten.alias.default: _alias,
     aten.contiguous.default: _alias,
     aten.lift_fresh_copy.default: _alias,
-    aten.dropout.default: lambda em, x, p, train: x if p == 0 or not train else (_ for _ in ()).throw(
-        Unsupported("dropout with p > 0 in training is not supported")),
+    aten.dropout.default: _dropout,
+    aten.native_dropout.default: _native_dropout,
+    aten.native_dropout_backward.default: _native_dropout_bwd,
     aten._to_copy.default: _to_copy,
     aten.to.dtype: lambda em, x, dtype, *a, **k: _to_copy(em, x, dtype),
     aten.to.dtype_layout: lambda em, x, *a, dtype=None, **k: _to_copy(em, x, dtype),
     aten.to.device: lambda em, x, device, dtype=None, *a, **k: _to_copy(em, x, dtype),
-    aten.__and__.Tensor: _binary("logical_and"), aten.__or__.Tensor: _binary("logical_or"),
+    aten.__and__.Tensor: _binary("bitwise_and"), aten.__or__.Tensor: _binary("bitwise_or"),
+    aten.__xor__.Tensor: _binary("bitwise_xor"),
+    aten.bitwise_and.Tensor: _binary("bitwise_and"), aten.bitwise_and.Scalar: _binary("bitwise_and"),
+    aten.bitwise_or.Tensor: _binary("bitwise_or"), aten.bitwise_or.Scalar: _binary("bitwise_or"),
+    aten.bitwise_xor.Tensor: _binary("bitwise_xor"), aten.bitwise_xor.Scalar: _binary("bitwise_xor"),
+    aten.bitwise_not.default: _unary("bitwise_not"),
+    aten.logical_xor.default: _binary("logical_xor"),
+    aten.floor_divide.default: _binary("floor_divide"),
+    aten.floor_divide.Scalar: _binary("floor_divide"),
+    aten.div.Tensor_mode: lambda em, a, b, rounding_mode=None: _div_mode(em, a, b, rounding_mode),
+    aten.pow.Scalar: lambda em, base, x: em("power", base, x),
+    aten.pow.Tensor_Tensor: lambda em, a, b: em("power", a, b),
+    aten.where.ScalarSelf: lambda em, c, a, b: em("where", c, a, b),
+    aten.where.Scalar: _where_scalars,
+    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    aten.clamp.default: _clamp,
+    aten.clamp_min.default: lambda em, x, m: em("maximum", x, m),
+    aten.clamp_max.default: lambda em, x, m: em("minimum", x, m),
     aten.type_as.default: _type_as,
     aten.add.Tensor: _binary("add"), aten.add.Scalar: _binary("add"),
     aten.sub.Tensor: _binary("sub"), aten.sub.Scalar: _binary("sub"),
@@ -350,13 +578,65 @@ ATEN: dict = {
     aten.zeros_like.default: _like(0.0), aten.ones_like.default: _like(1.0),
     aten.full_like.default: _like(None),
     aten.new_zeros.default: _like(0.0), aten.new_ones.default: _like(1.0),
+    # uninitialised memory: any value is right; zeros keep the programs deterministic
+    aten.empty_like.default: _like(0.0), aten.new_empty.default: _like(0.0),
+    aten.empty.memory_format: _like(0.0), aten.new_empty_strided.default: _like(0.0),
+    aten.empty_strided.default: _like(0.0),
+    aten.new_full.default: lambda em, x, size, value, _out=None, **k: em(
+        "full", shape=list(_out.shape), value=value, dtype=h2_dtype(_out.dtype)),
     aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
     aten.tril.default: lambda em, x, diagonal=0: em("tril", x, diagonal=diagonal),
     aten.topk.default: _topk,
-    aten.one_hot.default: lambda em, x, num_classes=-1: em("one_hot", x, num_classes=num_classes),
-    aten.gelu.default: lambda em, x, approximate="none": em("gelu", x) if approximate == "none" else (
-        _ for _ in ()).throw(Unsupported("gelu(approximate='tanh') is not in the op set")),
+    aten.one_hot.default: _one_hot,
+    aten.gelu.default: _gelu,
+    aten.gelu_backward.default: lambda em, g, x, approximate="none": em(
+        "gelu_bwd", g, x, approximate=approximate),
+    aten.tanh_backward.default: _tanh_bwd,
+    aten.sigmoid_backward.default: _sigmoid_bwd,
+    aten.threshold_backward.default: _threshold_bwd,
+    aten.layer_norm.default: _layer_norm,
+    aten.native_layer_norm.default: _native_layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_bwd,
+    aten.cumsum.default: _cumsum,
+    aten.diff.default: _diff,
+    aten.index.Tensor: _index, aten._unsafe_index.Tensor: _index,
+    aten.index_put.default: _index_put, aten._unsafe_index_put.default: _index_put,
+    aten.index_add.default: _index_add,
+    aten.gather.default: lambda em, x, dim, index, sparse_grad=False: em(
+        "gather", x, index, dim=dim % x.type.rank),
+    aten.scatter.src: lambda em, x, dim, index, src: em("scatter", x, index, src,
+                                                        dim=dim % x.type.rank),
+    aten.scatter.value: lambda em, x, dim, index, value: em("scatter", x, index, value,
+                                                            dim=dim % x.type.rank),
+    aten.scatter_add.default: lambda em, x, dim, index, src: em("scatter_add", x, index, src,
+                                                                dim=dim % x.type.rank),
+    aten.sort.default: _sort,
+    aten.sort.stable: lambda em, x, stable=None, dim=-1, descending=False: _sort(
+        em, x, dim, descending),
+    aten.histc.default: _histc,
+    aten.repeat_interleave.self_int: _repeat_interleave,
+    aten.repeat.default: _repeat,
+    # transformers 5's MoE experts kernel (integrations/moe.py: a custom op, so it is keyed by
+    # name: the op exists only once transformers has registered it)
+    "transformers::grouped_mm_fallback": _grouped_mm,
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_bwd,
 }
+# In-place ATen ops that torch.export graphs keep: lowered as their functional form.
+for _fn_op, _ip_op in [(aten.div.Tensor, aten.div_.Tensor), (aten.div.Scalar, aten.div_.Scalar),
+                       (aten.mul.Tensor, aten.mul_.Tensor), (aten.mul.Scalar, aten.mul_.Scalar),
+                       (aten.add.Tensor, aten.add_.Tensor), (aten.add.Scalar, aten.add_.Scalar),
+                       (aten.sub.Tensor, aten.sub_.Tensor), (aten.sub.Scalar, aten.sub_.Scalar),
+                       (aten.masked_fill.Scalar, aten.masked_fill_.Scalar),
+                       (aten.masked_fill.Tensor, aten.masked_fill_.Tensor),
+                       (aten.index_put.default, aten.index_put_.default),
+                       (aten.index_add.default, aten.index_add_.default),
+                       (aten.scatter.src, aten.scatter_.src),
+                       (aten.scatter.value, aten.scatter_.value),
+                       (aten.scatter_add.default, aten.scatter_add_.default),
+                       (aten.clamp.default, aten.clamp_.default),
+                       (aten.clamp_min.default, aten.clamp_min_.default),
+                       (aten.clamp_max.default, aten.clamp_max_.default)]:
+    ATEN[_ip_op] = _inplace(ATEN[_fn_op])
 # Runtime assertions carry no data: nothing to lower.
 for _assert in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar"):
     if hasattr(aten, _assert):
@@ -508,6 +788,8 @@ class _Lowering:
                           self.file, hint=f"at {src.line}" if src.line else None) from None
         _check_against_trace(node, res, self.file)
         self.env[node.name] = res
+        if getattr(fn, "inplace", False) and isinstance(node.args[0], torch.fx.Node):
+            self.env[node.args[0].name] = res       # later readers of the mutated input
 
     def layer_for(self, node: torch.fx.Node) -> Layer:
         lname, kind, lattrs = self.layer_of(node)
@@ -532,6 +814,8 @@ class _Lowering:
 
     def lowering_of(self, node: torch.fx.Node) -> Callable:
         fn = ATEN.get(node.target)
+        if fn is None:                      # custom ops are keyed by name (see ATEN)
+            fn = ATEN.get(op_name(node.target))
         if fn is None:
             src = source_info(node)
             raise H2Error(
