@@ -315,6 +315,8 @@ SPECS.update({
                              {"dims": [0, 1]})],
     "index_put": lambda r: [
         Case([r.normal(16, 8), r.normal(24, 8), r.ids(16, 24)], {"dims": [0], "accumulate": True}),
+        Case([r.normal(4, 10, 3), r.normal(4, 6, 3), r.ids(10, 6)],
+             {"dims": [1], "accumulate": True}),
         Case([r.normal(16, 8), r.normal(5, 8), _perm_ids(r, 16, 5)], {"dims": [0]}),
         Case([r.normal(4, 10, 3), r.normal(3), _perm_ids(r, 10, 4)], {"dims": [1]}),
         Case([Arg(np.zeros(12, dtype=np.int64), "i64"), Arg(np.arange(12), "i64"),

@@ -484,11 +484,28 @@ def index(x, *indices, dims):
     return x[_index_tuple(x.ndim, dims, indices)]
 
 
+def _sum_rows_into(out, ids, rows) -> None:
+    """out[ids[i]] += rows[i] with repeated ids summed: sort the ids once, add each run of equal
+    ids with one np.add.reduceat (np.add.at is an element-wise loop)."""
+    if ids.size == 0:
+        return
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    out[sorted_ids[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+
+
 def index_put(x, values, *indices, dims, accumulate=False):
     out = x.copy()
     key = _index_tuple(x.ndim, dims, indices)
     values = np.asarray(values, dtype=x.dtype)
-    if accumulate:
+    if accumulate and list(dims) == [0] and x.ndim >= 1:
+        # the gradient of x[ids] (MoE routing, gathers): whole rows
+        ids = np.asarray(indices[0]).reshape(-1) % max(x.shape[0], 1)
+        target = indices[0].shape + x.shape[1:]
+        rows = np.broadcast_to(values, target).reshape((ids.size,) + x.shape[1:])
+        _sum_rows_into(out, ids, rows)
+    elif accumulate:
         np.add.at(out, key, values)
     else:
         out[key] = values
@@ -538,15 +555,8 @@ def embedding_bwd(grad, ids, num_weights, padding_idx=-1):
     run of equal ids with one np.add.reduceat (no per-element Python loop). Row padding_idx
     (when >= 0) gets no gradient."""
     d = grad.shape[-1]
-    flat = ids.reshape(-1)
-    rows = grad.reshape(-1, d)
     out = np.zeros((num_weights, d), dtype=grad.dtype)
-    if flat.size == 0:
-        return out
-    order = np.argsort(flat, kind="stable")
-    sorted_ids = flat[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    out[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+    _sum_rows_into(out, ids.reshape(-1), grad.reshape(-1, d))
     if padding_idx is not None and padding_idx >= 0:
         out[padding_idx] = 0
     return out
