@@ -799,7 +799,9 @@ class _Lowering:
         return self.layers[lname]
 
     def claim_params(self, node: torch.fx.Node, layer: Layer) -> None:
-        """Parameters join the layer of their first use; a second layer using one is an error."""
+        """Parameters join the layer of their first use. A parameter another layer also reads is
+        tied (e.g. embedding = LM head): it stays one parameter, owned by its first layer, and
+        the other layers list it in their `tied` attribute."""
         for a in node.all_input_nodes:
             v = self.env.get(a.name)
             key = a.name if a.op == "placeholder" else a.target
@@ -807,10 +809,8 @@ class _Lowering:
                 owner = self.param_owner.setdefault(v.name, layer.name)
                 if owner == layer.name and v not in layer.params:
                     layer.params.append(v)
-                elif owner != layer.name:
-                    raise H2Error(f"parameter {self.params[key]} is used by layers {owner} and "
-                                  f"{layer.name} (tied weights across layers are not supported "
-                                  "yet)", self.file)
+                elif owner != layer.name and v.name not in layer.attrs.get("tied", []):
+                    layer.attrs["tied"] = list(layer.attrs.get("tied", [])) + [v.name]
 
     def lowering_of(self, node: torch.fx.Node) -> Callable:
         fn = ATEN.get(node.target)
