@@ -454,6 +454,35 @@ def _unique_names(g: Graph):
             seen.add(v.name)
 
 
+def _float_histc(cap: Capture) -> None:
+    """Integer `histc` (MoE routing counts: transformers bins expert ids with it when the model
+    runs on the meta device) has no CPU kernel for AOTAutograd's fake tensors: count in float
+    and cast back — exact for integer ids below 2**24. The new nodes join histc's layer."""
+    g = cap.aten.graph
+    changed = False
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.histc.default:
+            continue
+        x = n.args[0]
+        dt = x.meta["val"].dtype
+        if dt.is_floating_point:
+            continue
+        with g.inserting_before(n):
+            xf = g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.float32})
+        xf.meta = dict(x.meta, val=x.meta["val"].float())
+        n.args = (xf,) + tuple(n.args[1:])
+        n.meta["val"] = n.meta["val"].float()
+        with g.inserting_after(n):
+            back = g.call_function(torch.ops.aten._to_copy.default, (n,), {"dtype": dt})
+        n.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+        back.meta = dict(n.meta, val=n.meta["val"].to(dt))
+        for m in (xf, back):
+            cap.layer_of.assign[m.name] = cap.layer_of.assign[n.name]
+        changed = True
+    if changed:
+        cap.aten.recompile()
+
+
 def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=None,
                          name: str = "model") -> list[StageProgram]:
     """Forward/backward h2ir programs for every stage.
@@ -464,6 +493,7 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
     from torch._subclasses.fake_tensor import FakeTensorMode
     loss_fn = loss_fn or cap.model_file.loss_fn()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _float_histc(cap)
     flat = [l for st in stage_layers for l in st]
     unit_parts = split_stages(cap, [[l] for l in flat])
     units = [_Unit(l, gm, ins, outs, pt, ps, bs, i == len(flat) - 1)
