@@ -11,14 +11,23 @@ symbolic_trace cannot handle (data-dependent control flow, e.g. models from popu
 libraries) go through non-strict `torch.export`, whose graph also carries module stacks.
 Nodes are grouped into layers: nodes before the first block -> `embed`, each element of the
 model's block list -> `block.<i>`, nodes after the last block -> `head`.
+
+The model's output is its logits: a tensor, or a tuple, dict or transformers ModelOutput holding
+them (`pick_logits`); the IR header's `model_output` says which part was taken. What the model
+file's own code raises is reported as an error in the model file, at its line.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import operator
+import inspect
 import io
+import operator
+import os
+import re
 import sys
+import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +39,7 @@ import torch.nn.functional as F
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
 from h2ir.graph import Graph
-from frontend.lower import lower_fx, module_path
+from frontend.lower import lower_fx, module_path, op_name, source_info
 
 
 @dataclass
@@ -43,19 +52,47 @@ class ModelFile:
         return Path(self.path).stem
 
     def build(self, args: dict) -> nn.Module:
+        fn = self.module.build_model
         try:
-            return self.module.build_model(**args)
+            inspect.signature(fn).bind(**args)
         except TypeError as e:
-            raise H2Error(f"build_model() rejected the arguments {args}: {e}", self.path) from None
+            raise H2Error(f"build_model() rejected the arguments {args}: {e}", self.path,
+                          _first_line(fn)) from None
+        except ValueError:          # no signature to check (a builtin)
+            pass
+        model = self._call("build_model()", fn, **args)
+        if not isinstance(model, nn.Module):
+            raise H2Error(f"build_model() returned {_describe(model)}, not a torch.nn.Module",
+                          self.path, _first_line(fn))
+        return model
 
     def example_inputs(self, micro_batch: int, seq_len: int) -> tuple:
         if hasattr(self.module, "example_inputs"):
-            ex = self.module.example_inputs(micro_batch, seq_len)
+            ex = self._call("example_inputs()", self.module.example_inputs, micro_batch, seq_len)
             return tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
         return (torch.zeros(micro_batch, seq_len, dtype=torch.long),)
 
     def loss_fn(self):
-        return getattr(self.module, "loss_fn", default_loss)
+        """The loss of the last stage: the model file's `loss_fn` (default: next-token
+        cross-entropy) applied to the model's logits, picked from its output by
+        `model_logits` (a tensor is used as it is)."""
+        user = getattr(self.module, "loss_fn", None)
+
+        def loss(outputs, targets):
+            logits = model_logits(outputs, self.path)[1]
+            if user is None:
+                return default_loss(logits, targets)
+            return self._call("loss_fn()", user, logits, targets)
+        return loss
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """Call a function of the model file; what it raises is an error in the model file."""
+        try:
+            return fn(*args, **kwargs)
+        except H2Error:
+            raise
+        except (Exception, SystemExit) as e:
+            raise user_code_error(e, self.path, what) from None
 
 
 def default_loss(outputs, targets):
@@ -63,10 +100,66 @@ def default_loss(outputs, targets):
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
+# ---- errors in the user's code -------------------------------------------------------------------
+
+_H2_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) + os.sep
+                 for d in ("frontend", "backends", "h2ir", "executor"))
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _library_file(filename: str) -> bool:
+    """torch's code and h2's own: never where a model went wrong."""
+    f = os.path.realpath(filename)
+    return f"{os.sep}torch{os.sep}" in f or f.startswith(_H2_DIRS) or filename.startswith("<")
+
+
+def _first_line(fn) -> int | None:
+    code = getattr(fn, "__code__", None)
+    return code.co_firstlineno if code is not None else None
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _frames_in(e: BaseException, path: str) -> list:
+    return [f for f in traceback.extract_tb(e.__traceback__) if _same_file(f.filename, path)]
+
+
+def user_code_error(e: BaseException, path: str, what: str, message: str | None = None,
+                    hint: str | None = None) -> H2Error:
+    """An exception from code the model file runs (`what`: "build_model()", "the model's
+    forward", ...) as an error at the deepest frame in the model file; when it was raised in
+    other code (a library the model calls), the hint says where."""
+    mine = _frames_in(e, path)
+    line = mine[-1].lineno if mine else None
+    if isinstance(e, SystemExit):
+        return H2Error(f"{what} called sys.exit({e.code!r})", path, line,
+                       hint="h2 calls the functions a model file defines; they must return, "
+                            "not exit")
+    outer = [f for f in traceback.extract_tb(e.__traceback__) if not _library_file(f.filename)]
+    where = None
+    if outer and not _same_file(outer[-1].filename, path):
+        f = outer[-1]
+        where = f"at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+    if message is None:
+        msg = _one_line(e)
+        message = f"{what} raised {type(e).__name__}" + (f": {msg}" if msg else "")
+    hint = "\n  ".join(h for h in (where, hint) if h) or None
+    return H2Error(message, path, line, hint=hint)
+
+
 def load_model_file(path: str) -> ModelFile:
     p = Path(path)
     if not p.is_file():
-        raise H2Error("model file not found", path)
+        raise H2Error("model file not found" if not p.exists() else "model file is not a file",
+                      path, hint="a model file is a Python file that defines "
+                                 "build_model(**kwargs) (README: 'Model files')")
     name = f"h2_model_{p.stem}_{abs(hash(str(p.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, p)
     mod = importlib.util.module_from_spec(spec)
@@ -74,15 +167,13 @@ def load_model_file(path: str) -> ModelFile:
     try:
         spec.loader.exec_module(mod)
     except SyntaxError as e:
+        if e.filename and not _same_file(e.filename, str(p)):     # a module the file imports
+            mine = _frames_in(e, str(p))
+            raise H2Error(f"importing the model file failed: syntax error in {e.filename}:"
+                          f"{e.lineno}: {e.msg}", path, mine[-1].lineno if mine else None) from None
         raise H2Error(f"syntax error in model file: {e.msg}", path, e.lineno, e.offset) from None
-    except Exception as e:  # a model file is user code: report, don't crash
-        tb = e.__traceback__
-        line = None
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == str(p):
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        raise H2Error(f"importing the model file failed: {type(e).__name__}: {e}", path, line) from None
+    except (Exception, SystemExit) as e:    # a model file is user code: report, don't crash
+        raise user_code_error(e, path, "importing the model file") from None
     if not hasattr(mod, "build_model"):
         raise H2Error("model file defines no build_model(**kwargs) function", path,
                       hint="see README: a model file defines build_model(**kwargs) -> nn.Module")
@@ -253,42 +344,209 @@ def _aten_from_export(model, example):
     bmap = dict(sig.inputs_to_buffers)
     bmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     imap = {n: n for n in sig.user_inputs}
-    return ep.graph_module, pmap, bmap, imap
+    gm = ep.graph_module
+    gm.meta["h2_out_spec"] = ep.call_spec.out_spec
+    return gm, pmap, bmap, imap
+
+
+def _forward_parameters(model: nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _input_names(model: nn.Module, n: int) -> list[str]:
-    import inspect
-    try:
-        names = [p for p in inspect.signature(model.forward).parameters]
-    except (TypeError, ValueError):
-        names = []
+    names = _forward_parameters(model)
     return (names + [f"input{i}" for i in range(len(names), n)])[:n]
 
 
+# ---- the model's output: its logits --------------------------------------------------------------
+
+class _Record(dict):
+    """A dict-like output (dict, transformers ModelOutput) rebuilt around fx nodes; keeps the
+    name of the type the model returned."""
+
+    def __init__(self, type_name: str, items):
+        super().__init__(items)
+        self.type_name = type_name
+
+
+def _type_name(x) -> str:
+    return getattr(x, "type_name", None) or type(x).__name__
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _is_tensor_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def pick_logits(out, is_tensor=_is_tensor) -> tuple[str | None, object]:
+    """(where, logits) in a model's output: ("", out) for a tensor; else the entry or attribute
+    `logits` (a dict, a transformers ModelOutput); else the first tensor of a tuple or list.
+    (None, None) when there is none."""
+    if is_tensor(out):
+        return "", out
+    if isinstance(out, Mapping) and is_tensor(out.get("logits")):
+        return f"{_type_name(out)}.logits", out["logits"]
+    if not isinstance(out, (Mapping, tuple, list)) and is_tensor(getattr(out, "logits", None)):
+        return f"{_type_name(out)}.logits", out.logits
+    if isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            if is_tensor(v):
+                return f"{_type_name(out)}[{i}]", v
+    return None, None
+
+
+def _describe(x, is_tensor=_is_tensor) -> str:
+    """A model output in a few words: 'a tuple of 2 (tensor, None)', "a dict with keys 'a'"."""
+    def short(v):
+        return "tensor" if is_tensor(v) else "None" if v is None else _type_name(v)
+    if x is None:
+        return "None"
+    if is_tensor(x):
+        return "a tensor"
+    if isinstance(x, Mapping):
+        keys = ", ".join(repr(k) for k in list(x)[:8]) + (", ..." if len(x) > 8 else "")
+        return f"a {_type_name(x)} with keys {keys}" if x else f"an empty {_type_name(x)}"
+    if isinstance(x, (tuple, list)):
+        items = ", ".join(short(v) for v in x[:8]) + (", ..." if len(x) > 8 else "")
+        return f"a {_type_name(x)} of {len(x)} ({items})" if x else f"an empty {_type_name(x)}"
+    return f"a value of type {_type_name(x)}"
+
+
+_LOGITS_HINT = ("return the logits tensor, a tuple whose first tensor is the logits, or a dict "
+                "or transformers ModelOutput with a 'logits' entry; loss_fn(outputs, targets) "
+                "then receives that tensor")
+
+
+def model_logits(outputs, path: str | None = None):
+    """(where, logits) of a model's output at run time (see `pick_logits`); an output without
+    logits is an error in the model file."""
+    where, logits = pick_logits(outputs)
+    if where is None:
+        raise H2Error(f"the model's forward returned {_describe(outputs)}, which holds no "
+                      "logits tensor", path, hint=_LOGITS_HINT)
+    return where, logits
+
+
+def _output_structure(gm: torch.fx.GraphModule):
+    """The traced graph's output as the model returned it, with fx nodes for its tensors."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    spec = gm.meta.get("h2_out_spec")
+    if spec is None:                                        # make_fx keeps the structure
+        def rebuild(x):
+            if isinstance(x, Mapping):
+                return _Record("dict", {k: rebuild(v) for k, v in x.items()})
+            if isinstance(x, (tuple, list)):
+                items = [rebuild(v) for v in x]
+                return tuple(items) if isinstance(x, tuple) else items
+            return x
+        return out, rebuild(out.args[0])
+    leaves = iter(out.args[0])                              # torch.export flattens it
+
+    def unflatten(s):
+        if s.is_leaf():
+            return next(leaves)
+        kids = [unflatten(c) for c in s.children()]
+        if s.type is type(None):
+            return None
+        if issubclass(s.type, dict):
+            return _Record("dict" if s.type is dict else s.type.__name__, zip(s.context, kids))
+        if issubclass(s.type, (tuple, list)):
+            return tuple(kids) if issubclass(s.type, tuple) else list(kids)
+        return _Record(s.type.__name__, zip(s.context, kids)) if isinstance(s.context, list) \
+            else _Record(s.type.__name__, {})
+    return out, unflatten(spec)
+
+
+def _pick_graph_output(gm: torch.fx.GraphModule, model: nn.Module, path: str) -> str:
+    """Make the traced graph return only the model's logits; '' when it already does, else
+    where they were found (e.g. 'CausalLMOutputWithPast.logits', 'tuple[0]')."""
+    out, structure = _output_structure(gm)
+    where, logits = pick_logits(structure, _is_tensor_node)
+    if where is None:
+        fwd = type(model).forward
+        line = _first_line(fwd) if _same_file(getattr(fwd, "__code__", None) and
+                                              fwd.__code__.co_filename or "", path) else None
+        raise H2Error(f"the model's forward returned {_describe(structure, _is_tensor_node)}, "
+                      "which holds no logits tensor", path, line, hint=_LOGITS_HINT)
+    if where:
+        out.args = ((logits,),)
+        gm.graph._codegen = torch.fx.graph.CodeGen()       # no pytree of the old output
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return where
+
+
 def trace_aten(model: nn.Module, example: tuple, path: str):
-    """ATen fx graph + placeholder maps + which capture path was used."""
+    """ATen fx graph + placeholder maps + which capture path was used. What the model's forward
+    raises is an error in the model file; what tracing cannot handle names the model's line."""
+    try:
+        return _trace_aten(model, example)
+    except H2Error:
+        raise
+    except (Exception, SystemExit) as e:
+        raise _capture_error(e, path) from None
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module):
+    """transformers models whose config asks for a KV cache return a cache object, which is no
+    tensor; training needs none, so capture runs with `config.use_cache = False`."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
+def _trace_aten(model: nn.Module, example: tuple):
+    with _no_kv_cache(model):
+        return _trace_aten_paths(model, example)
+
+
+def _trace_aten_paths(model: nn.Module, example: tuple):
     try:
         gm = _symbolic_trace(model)
-        how = "symbolic_trace"
     except Exception:       # not symbolically traceable: fall back to non-strict export
         gm = None
     if gm is not None:
         try:
-            return (*_aten_from_symbolic(model, gm, example), how)
+            return (*_aten_from_symbolic(model, gm, example), "symbolic_trace")
         except Exception:
-            gm = None
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            return (*_aten_from_export(model, example), "torch.export")
-    except H2Error:
-        raise
-    except Exception as e:
-        raise H2Error(f"could not capture the model with torch.fx or torch.export: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", path) from None
+            pass
+    with contextlib.redirect_stderr(io.StringIO()):
+        return (*_aten_from_export(model, example), "torch.export")
+
+
+_DATA_DEPENDENT = ("h2 captures one graph of static shapes: control flow on tensor values (e.g. "
+                   "a loop over the experts that tokens were routed to) cannot be traced; compute "
+                   "it for every case instead (transformers MoE models: "
+                   "config._experts_implementation = 'batched_mm')")
+
+
+def _capture_error(e: BaseException, path: str) -> H2Error:
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SystemExit) or (frames and not _library_file(frames[-1].filename)):
+        return user_code_error(e, path, "the model's forward")     # the model's own code raised
+    data_dependent = "data-dependent" in str(e) or "DataDependent" in type(e).__name__
+    return user_code_error(e, path, "the model's forward",
+                           message="could not capture the model with torch.fx or torch.export: "
+                                   f"{type(e).__name__}: {_one_line(e)}",
+                           hint=_DATA_DEPENDENT if data_dependent else None)
 
 
 def _model_dims(model: nn.Module) -> dict:
-    cfg = getattr(model, "config", None)
+    # the model's config, or that of the model it wraps (a transformers LM inside a wrapper)
+    cfg = next((c for m in model.modules() if (c := getattr(m, "config", None)) is not None), None)
     d = {}
     for key, names in (("n_heads", ("num_attention_heads", "n_heads")),
                        ("d_model", ("hidden_size", "dim", "d_model")),
@@ -326,6 +584,64 @@ class Capture:
     graph: Graph
     how: str                # 'symbolic_trace' or 'torch.export'
 
+    def locate(self, e: H2Error) -> H2Error:
+        """An error met lowering the stage programs (AOTAutograd's forward and backward graphs
+        carry no model source lines) located in the model file: an op that is not in the op set
+        is traced back to the model's op it comes from (aten::tanh for aten::tanh_backward) and
+        that op's module and source line."""
+        if e.file:
+            return e
+        path = self.model_file.path
+        m = _UNSUPPORTED.match(e.message)
+        if not m:
+            return H2Error(e.message, path, hint=e.hint)
+        op = m.group(1)
+        node = self._forward_node(op)
+        if node is None:
+            return H2Error(f"op {op} (in a backward program) is not in the h2ir op set", path,
+                           hint=_ADD_LOWERING)
+        src = source_info(node)
+        fwd = op_name(node.target)
+        line = None
+        at = re.match(r"(.+?):(\d+): ", src.line or "")
+        if at and _same_file(at.group(1), path):
+            line = int(at.group(2))
+        via = "" if _op_base(fwd) == _op_base(op) else f"the backward of {fwd}, "
+        return H2Error(f"op {op} ({via}from module '{src.module}') is not in the h2ir op set",
+                       path, line, hint=(f"at {src.line}\n  " if src.line else "") + _ADD_LOWERING)
+
+    def _forward_node(self, op: str):
+        """The first node of the model's graph running `op`, else the op its name says it is
+        the backward of (aten::tanh_backward -> aten::tanh)."""
+        names = [_op_base(op)]
+        base = re.sub(r"_backward(_data|_input|_weight)?$", "", names[0])
+        if base != names[0]:
+            names.append(base)
+        calls = [n for n in self.aten.graph.nodes if n.op == "call_function"]
+        for want in names:
+            for n in calls:
+                if _op_base(op_name(n.target)) in (want, want + "_"):
+                    return n
+        return None
+
+
+_UNSUPPORTED = re.compile(r"op (\S+) \(from module '[^']*'\) is not in the h2ir op set")
+_ADD_LOWERING = ("add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) or "
+                 "rewrite the model with supported ops")
+
+
+def _at_model_line(e: H2Error, path: str) -> H2Error:
+    """`e` with the model file's line in front when its hint names one ("at FILE:LINE: ...")."""
+    at = re.match(r"at (.+?):(\d+): ", e.hint or "")
+    if e.line is None and e.file and at and _same_file(at.group(1), path):
+        e.line = int(at.group(2))
+    return e
+
+
+def _op_base(name: str) -> str:
+    """'aten::div_.Tensor' -> 'aten::div_': the op without its overload."""
+    return name.split(".")[0]
+
 
 def trace_model(path: str, model_args: dict | None = None, micro_batch: int = 1, seq_len: int = 128,
                 model: nn.Module | None = None) -> Capture:
@@ -338,12 +654,18 @@ def trace_model(path: str, model_args: dict | None = None, micro_batch: int = 1,
         example = mf.example_inputs(micro_batch, seq_len)
     example = tuple(e.to("meta") if isinstance(e, torch.Tensor) else e for e in example)
     agm, pmap, bmap, imap, how = trace_aten(model, example, path)
+    picked = _pick_graph_output(agm, model, path)
     names = _input_names(model, len(imap))
     imap = {k: names[i] for i, k in enumerate(imap)}
     attrs = {"micro_batch": micro_batch, "seq_len": seq_len, **_model_dims(model)}
+    if picked:                  # which part of the model's output the pipeline trains on
+        attrs["model_output"] = picked
     grouper = LayerGrouper(model, agm)
-    g = lower_fx(agm, mf.name, inputs=imap, params=pmap, consts=bmap, layer_of=grouper,
-                 attrs=attrs, file=path)
+    try:
+        g = lower_fx(agm, mf.name, inputs=imap, params=pmap, consts=bmap, layer_of=grouper,
+                     attrs=attrs, file=path)
+    except H2Error as e:
+        raise _at_model_line(e, path) from None
     return Capture(mf, model, agm, pmap, bmap, imap, grouper, g, how)
 
 

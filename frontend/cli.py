@@ -45,6 +45,9 @@ def ir_main(argv: list[str]) -> int:
     else:
         from frontend.capture import capture, parse_model_args
         g = capture(a.path, parse_model_args(a.arg), a.micro_batch, a.seq_len)
+        if g.attrs.get("model_output") and (a.json or a.summary):     # the IR header says it
+            print(f"note: the model's output is not a tensor; h2 trains on "
+                  f"{g.attrs['model_output']} as its logits", file=sys.stderr)
     if a.json:
         text = json.dumps(g.layer_costs().to_json(), indent=1) + "\n"
     elif a.summary:

@@ -30,7 +30,7 @@ import numpy as np
 
 from backends.calibrate import profile
 from backends.registry import BACKENDS
-from frontend.capture import parse_model_args
+from frontend.capture import load_model_file, parse_model_args
 from h2ir.errors import H2Error
 from h2ir.planner.calibration import Calibration, load_calibration, record_layer_times
 
@@ -60,7 +60,10 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
     for l in cap.graph.layers:                 # first layer of each kind represents it
         kinds.setdefault(l.kind, l.name)
     names = [l.name for l in cap.graph.layers]
-    progs = build_stage_programs(cap, [[n] for n in names])
+    try:
+        progs = build_stage_programs(cap, [[n] for n in names])
+    except H2Error as e:        # AOTAutograd's graphs know no model lines: say which
+        raise cap.locate(e) from None
     be = get_backend(backend)
     rng = np.random.default_rng(0)
     vocab = cap.graph.attrs.get("vocab", 256)
@@ -117,12 +120,10 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
             cmd += ["--core", str(cores[i % len(cores)])]
         procs.append((b, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True)))
+    results = [(b, p.communicate(), p.returncode) for b, p in procs]   # every process ends
     got: dict[str, list] = {}
-    for b, p in procs:
-        out, err = p.communicate()
-        if p.returncode != 0:
-            raise H2Error(f"measuring layer times on {b} failed: {err.strip()[-500:]}")
-        got.setdefault(b, []).append(json.loads(out.strip().splitlines()[-1]))
+    for b, (out, err), rc in results:
+        got.setdefault(b, []).append(_child_result(b, out, err, rc))
     res = {}
     for b, runs in got.items():
         res[b] = {}
@@ -134,9 +135,30 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
     return res
 
 
+def _child_result(backend: str, out: str, err: str, rc: int) -> dict:
+    """The layer times a measuring process printed (its last stdout line, JSON). What it
+    reported instead, an error in the user's input, is raised here as that same error; a crash
+    is an internal error, told in one line (its stderr is never shown)."""
+    lines = out.strip().splitlines()
+    try:
+        res = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        res = None
+    if rc == 0 and isinstance(res, dict) and "error" not in res:
+        return res
+    if isinstance(res, dict) and isinstance(res.get("error"), dict):
+        raise H2Error(**res["error"])
+    if isinstance(res, dict) and isinstance(res.get("internal"), str):
+        raise RuntimeError(f"measuring layer times on {backend}: {res['internal']}")
+    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
+    raise RuntimeError(f"measuring layer times on {backend}: the process exited with code {rc}"
+                       + (f" ({last[:300]})" if last else ""))
+
+
 def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backends,
            log=print) -> None:
     """Measure each backend's layer times and store them in the calibration file."""
+    load_model_file(model_path)     # a missing or broken model file is told once, here
     measured = measure_concurrently(model_path, model_args, micro_batch, seq_len, list(backends))
     for b in backends:
         res = measured[b]
@@ -236,7 +258,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.core is not None:
         pin_to_core(a.core)
-    print(json.dumps(measure(a.model, json.loads(a.args), a.micro_batch, a.seq_len, a.backend)))
+    # One JSON line on stdout either way: the parent raises the same error (_child_result).
+    try:
+        res = measure(a.model, json.loads(a.args), a.micro_batch, a.seq_len, a.backend)
+    except H2Error as e:
+        print(json.dumps({"error": {"message": e.message, "file": e.file, "line": e.line,
+                                    "col": e.col, "hint": e.hint}}))
+        return 2
+    except Exception as e:      # a bug of ours: one line for the parent to report
+        print(json.dumps({"internal": f"{type(e).__name__}: {e}".splitlines()[0][:500]}))
+        return 1
+    print(json.dumps(res))
     return 0
 
 
