@@ -10,7 +10,8 @@ module is then lowered to ATen with `make_fx` while preserving each node's modul
 symbolic_trace cannot handle (data-dependent control flow, e.g. models from popular model
 libraries) go through non-strict `torch.export`, whose graph also carries module stacks.
 Nodes are grouped into layers: nodes before the first block -> `embed`, each element of the
-model's block list -> `block.<i>`, nodes after the last block -> `head`.
+model's block list -> `block.<i>` (`moe_block` with its expert shape when it holds experts and a
+router, `moe_attrs`), nodes after the last block -> `head`.
 
 The model's output is its logits: a tensor, or a tuple, dict or transformers ModelOutput holding
 them (`pick_logits`); the IR header's `model_output` says which part was taken. What the model
@@ -212,17 +213,131 @@ def find_block_list(model: nn.Module) -> str | None:
     return best
 
 
-def moe_attrs(block: nn.Module) -> dict | None:
-    """MoE shape of a block that holds an `experts` ModuleList (Piper's expert terms need it)."""
-    for name, m in block.named_modules():
-        if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "experts" and len(m) > 0:
-            parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
-            top_k = getattr(parent, "top_k", None) or getattr(parent, "num_experts_per_tok", None) or 1
-            lin = [l for l in m[0].modules() if isinstance(l, nn.Linear)]
-            d_model = lin[0].in_features if lin else 0
-            d_ffn = lin[0].out_features if lin else 0
-            return {"experts": len(m), "top_k": int(top_k), "d_model": d_model, "d_ffn": d_ffn,
-                    "expert_params": sum(p.numel() for p in m[0].parameters())}
+@dataclass(frozen=True)
+class _ExpertSet:
+    """Candidate experts inside a block: E same-shaped FFNs, as a ModuleList of modules or as
+    3-D parameter stacks [E, a, b] of one module (transformers' MixtralExperts form)."""
+    path: str                   # module path inside the block
+    count: int                  # E
+    matrices: tuple             # (a, b) of each weight matrix of ONE expert
+    expert_params: int          # parameters of ONE expert
+
+
+def _expert_sets(block: nn.Module) -> list[_ExpertSet]:
+    out = []
+    for path, m in block.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) >= 2:
+            shapes = [tuple(tuple(p.shape) for p in e.parameters()) for e in m]
+            mats = tuple(s for s in shapes[0] if len(s) == 2)
+            if len(mats) >= 2 and all(s == shapes[0] for s in shapes):
+                out.append(_ExpertSet(path, len(m), mats, sum(p.numel() for p in m[0].parameters())))
+            continue
+        own = list(m.parameters(recurse=False))
+        stacks = [p for p in own if p.dim() == 3]
+        counts = {p.shape[0] for p in stacks}
+        if len(stacks) >= 2 and len(counts) == 1 and (E := counts.pop()) >= 2:
+            per_expert = sum(p.numel() for p in own if p.dim() >= 2 and p.shape[0] == E) // E
+            out.append(_ExpertSet(path, E, tuple(tuple(p.shape[1:]) for p in stacks), per_expert))
+    return out
+
+
+def _inside(path: str, module: str) -> bool:
+    return module == "" or path == module or path.startswith(module + ".")
+
+
+def _router(block: nn.Module, ex: _ExpertSet) -> tuple[str, int] | None:
+    """(module path, d_model) of the router of `ex`: a weight [E, D] outside the experts (a
+    Linear(D, E) or a bare parameter) whose D is a dimension of every expert matrix."""
+    for name, p in block.named_parameters():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if p.dim() == 2 and p.shape[0] == ex.count and not _inside(owner, ex.path) \
+                and all(p.shape[1] in mat for mat in ex.matrices):
+            return owner, int(p.shape[1])
+    return None
+
+
+def _common_module(a: str, b: str) -> str:
+    pa, pb = a.split(".") if a else [], b.split(".") if b else []
+    common = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+_TOP_K_NAMES = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "router_topk",
+                "num_selected_experts")
+
+
+def _top_k_attribute(moe: nn.Module) -> int | None:
+    """top-k as the MoE module or its config states it (transformers: num_experts_per_tok)."""
+    for m in moe.modules():
+        for holder in (m, getattr(m, "config", None)):
+            for name in _TOP_K_NAMES:
+                v = getattr(holder, name, None) if holder is not None else None
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+    return None
+
+
+def _shared_experts(moe: nn.Module, skip: tuple, d_model: int) -> tuple[int, int, int]:
+    """(count, FFN size, parameters) of the experts every token goes through: the MoE module's
+    other children that are FFNs (at least two weight matrices on d_model)."""
+    count = d_ffn = params = 0
+    for name, child in moe.named_children():
+        if any(_inside(s, name) for s in skip):
+            continue
+        parts = list(child) if isinstance(child, nn.ModuleList) else [child]
+        mats = [tuple(p.shape) for p in parts[0].parameters() if p.dim() == 2]
+        if len(mats) < 2 or not all(d_model in m for m in mats):
+            continue
+        count += len(parts)
+        first = mats[0]
+        d_ffn = d_ffn or (first[0] if first[1] == d_model else first[1])
+        params += sum(p.numel() for p in child.parameters())
+    return count, d_ffn, params
+
+
+def moe_attrs(block: nn.Module, top_k: int | None = None) -> dict | None:
+    """MoE shape of a block (Piper's expert terms need it), or None for a dense block.
+
+    A block is MoE when it holds E same-shaped expert FFNs — a ModuleList of modules or 3-D
+    parameter stacks [E, a, b] of one module, as transformers writes Mixtral and Qwen2-MoE
+    (gate_up_proj [E, 2F, D], down_proj [E, D, F]) — and a router: a weight [E, D] (a
+    Linear(D, E) or a bare parameter) outside them. d_model is the router's D, the expert FFN
+    size the smaller other dimension of the expert matrices (F, not the fused 2F). `top_k` as
+    traced (the router's topk) wins over what the module's attributes or config say. Experts
+    beside them that every token passes (Qwen2-MoE's shared_expert) are `shared_experts`."""
+    for ex in _expert_sets(block):
+        r = _router(block, ex)
+        if r is None:
+            continue
+        router, d = r
+        d_ffn = min(b if a == d else a for a, b in ex.matrices)
+        moe_path = _common_module(router, ex.path)
+        moe = block.get_submodule(moe_path) if moe_path else block
+        k = top_k or _top_k_attribute(moe) or 1
+        attrs = {"experts": ex.count, "top_k": int(k), "d_model": d, "d_ffn": int(d_ffn),
+                 "expert_params": int(ex.expert_params), "experts_module": ex.path}
+        rel = lambda p: p[len(moe_path) + 1:] if moe_path else p      # noqa: E731
+        n, shared_ffn, shared_params = _shared_experts(moe, (rel(ex.path), rel(router)), d) \
+            if moe_path else (0, 0, 0)        # the block itself: its other children are no FFNs
+        if n:
+            attrs.update(shared_experts=n, shared_d_ffn=int(shared_ffn),
+                         shared_params=int(shared_params))
+        return attrs
+    return None
+
+
+def _traced_top_k(gm: torch.fx.GraphModule, prefix: str) -> int | None:
+    """k of the first topk the traced graph runs inside module `prefix` (the router's)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "").startswith("topk") \
+                and len(node.args) > 1 and isinstance(node.args[1], int):
+            stack = node.meta.get("nn_module_stack") or {}
+            if any(_inside(module_path(v[0]), prefix) for v in stack.values()):
+                return node.args[1]
     return None
 
 
@@ -234,7 +349,8 @@ class LayerGrouper:
         self.n_blocks = len(model.get_submodule(self.blocks)) if self.blocks else 0
         self.kinds = {}
         for i in range(self.n_blocks):
-            attrs = moe_attrs(model.get_submodule(self.blocks)[i]) if self.blocks else None
+            attrs = moe_attrs(model.get_submodule(self.blocks)[i],
+                              _traced_top_k(gm, f"{self.blocks}.{i}")) if self.blocks else None
             self.kinds[i] = ("moe_block", {"module": f"{self.blocks}.{i}", **attrs}) if attrs else \
                 ("transformer_block", {"module": f"{self.blocks}.{i}"})
         # index of each call node; first/last node inside any block
