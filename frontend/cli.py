@@ -5,6 +5,7 @@
     h2c compile MODEL   emit a build directory of per-stage programs, weights and streams
     h2c profile         measure what the local backends achieve (calibration)
     h2c check-ops       op-level accuracy of a backend against a float64 reference
+    h2c ops             the h2ir op set as a table: signature, backends, check-ops alignment
 
 Errors in the user's input print as `file:line:col: error: ...` and exit with code 2.
 """
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "compile": "frontend.compiler:main",
     "profile": "frontend.profile:profile_main",
     "check-ops": "backends.check_ops:main",
+    "ops": "frontend.cli:ops_main",
 }
 
 
@@ -80,6 +82,121 @@ def summary_table(costs) -> str:
                 f"{human(sum(l.bwd_flops for l in tot), 'F'):>12} "
                 f"{human(sum(l.act_saved_bytes for l in tot), 'B'):>11}")
     return "\n".join(rows) + "\n"
+
+
+# ---- h2c ops -------------------------------------------------------------------------------------
+
+CHECK_DTYPE = "f32"
+
+
+def ops_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="h2c ops", description="The h2ir op set, one row per op: "
+                                 "group, inputs and attributes, which backends implement it and "
+                                 "whether each one's kernel is aligned (check-ops at f32).")
+    ap.add_argument("--check", action="store_true", help=f"run check-ops on every backend at "
+                    f"{CHECK_DTYPE} for the alignment columns (otherwise: 'not run'); exit 1 "
+                    "if an op fails")
+    ap.add_argument("--json", action="store_true", help="machine-readable table")
+    a = ap.parse_args(argv)
+    table = op_table(check=a.check)
+    sys.stdout.write(json.dumps(table, indent=1) + "\n" if a.json else format_op_table(table))
+    failed = any(b["aligned"] == "fail" for o in table["ops"] for b in o["backends"].values())
+    return 1 if failed else 0
+
+
+def op_table(check: bool = False) -> dict:
+    """The op set as data: {"backends", "check", "ops": [{"op", "group", "inputs", "attrs",
+    "backends": {name: {"implemented", "aligned"}}}], "counts"}. `aligned` is "pass" or "fail"
+    (check-ops at f32 against the backend's independent reference), "not run" without `check`,
+    "not implemented", or "runtime" for COMM/MOE ops, which the runtime executes, not kernels."""
+    from backends.check_ops import EXCLUDED_GROUPS, check_backend
+    from backends.registry import BACKENDS, get_backend
+    from h2ir import opset
+
+    impls = {b: get_backend(b) for b in BACKENDS}
+    checked: dict[str, dict] = {b: {} for b in BACKENDS}
+    if check:
+        for b, be in impls.items():
+            checked[b] = {r.op: r for r in check_backend(be, CHECK_DTYPE).results}
+    rows = []
+    for name, d in opset.OPS.items():
+        per = {}
+        for b, be in impls.items():
+            r = checked[b].get(name)
+            if d.group in EXCLUDED_GROUPS:
+                status = "runtime"
+            elif name not in be.ops:
+                status = "not implemented"
+            elif r is None:
+                status = "not run"
+            else:
+                status = "pass" if r.passed else "fail"
+            entry = {"implemented": name in be.ops, "aligned": status}
+            if r is not None:
+                entry.update(max_abs=r.max_abs, max_rel=r.max_rel, reference=r.reference)
+                if r.error:
+                    entry["error"] = r.error
+            per[b] = entry
+        rows.append({"op": name, "group": d.group.value, "inputs": list(d.inputs),
+                     "attrs": [_attr_json(k, v) for k, v in d.attrs.items()], "backends": per})
+    return {"backends": list(BACKENDS), "check": {"run": check, "dtype": CHECK_DTYPE},
+            "ops": rows, "counts": _op_counts(rows, list(BACKENDS), check)}
+
+
+def _attr_json(name: str, default) -> dict:
+    from h2ir import opset
+    if default is opset.REQUIRED:
+        return {"name": name, "required": True}
+    try:
+        json.dumps(default)
+    except TypeError:
+        default = repr(default)
+    return {"name": name, "required": False, "default": default}
+
+
+def _op_counts(rows: list, backends: list, check: bool) -> dict:
+    every = lambda pred: sum(all(pred(o["backends"][b]) for b in backends) for o in rows)  # noqa: E731
+    kernel_rows = [o for o in rows if all(x["aligned"] != "runtime" for x in o["backends"].values())]
+    return {
+        "ops": len(rows), "kernel_ops": len(kernel_rows),
+        "implemented_by_all": every(lambda x: x["implemented"]),
+        "aligned_on_all": every(lambda x: x["aligned"] == "pass") if check else None,
+        "per_backend": {b: {"implemented": sum(o["backends"][b]["implemented"] for o in rows),
+                            "aligned": sum(o["backends"][b]["aligned"] == "pass" for o in rows)
+                            if check else None} for b in backends},
+    }
+
+
+def op_signature(o: dict) -> str:
+    """'x, indices*; dims, accumulate=false': inputs, then attributes (a default after '=')."""
+    from h2ir.text import fmt_literal
+    attrs = [a["name"] if a["required"] else f"{a['name']}={fmt_literal(a['default'])}"
+             for a in o["attrs"]]
+    ins = ", ".join(o["inputs"]) or "(no inputs)"
+    return ins + ("; " + ", ".join(attrs) if attrs else "")
+
+
+OP_STATUS = {"pass": "pass", "fail": "FAIL", "not run": "yes", "not implemented": "-",
+             "runtime": "runtime"}
+
+
+def format_op_table(t: dict) -> str:
+    bs = t["backends"]
+    rows = [[o["op"], o["group"], op_signature(o)] + [OP_STATUS[o["backends"][b]["aligned"]]
+                                                      for b in bs] for o in t["ops"]]
+    head = ["op", "group", "inputs; attributes"] + bs
+    width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, width)).rstrip()  # noqa: E731
+    out = [line(head), line(["-" * w for w in width])] + [line(r) for r in rows]
+    c = t["counts"]
+    out.append("")
+    out.append(f"{c['ops']} ops ({c['kernel_ops']} run as kernels; the rest by the runtime); "
+               f"implemented by all of {', '.join(bs)}: {c['implemented_by_all']}; "
+               + (f"aligned on all (check-ops, {t['check']['dtype']}): {c['aligned_on_all']}"
+                  if t["check"]["run"] else "alignment not run (--check runs check-ops)"))
+    out.append("cells: pass/FAIL = implemented, check-ops result; yes = implemented, not checked; "
+               "- = no kernel; runtime = executed by the runtime/DiComm")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

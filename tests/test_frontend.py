@@ -319,3 +319,31 @@ def test_stacked_experts_are_found_by_shape_not_by_name(tmp_path):
     # without the router, 3-D parameters are no experts
     del model.blocks[0].scorer
     assert moe_attrs(model.blocks[0]) is None
+
+
+def test_cli_ops_json_lists_every_op_with_its_backends():
+    from backends.registry import BACKENDS, get_backend
+    from h2ir import opset
+    r = run_cli("h2c", "ops", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["backends"] == list(BACKENDS) and d["check"] == {"run": False, "dtype": "f32"}
+    assert [o["op"] for o in d["ops"]] == list(opset.OPS)
+    tables = {b: get_backend(b).ops for b in BACKENDS}
+    for o in d["ops"]:
+        op = opset.get(o["op"])
+        assert o["group"] == op.group.value and o["inputs"] == list(op.inputs)
+        assert [a["name"] for a in o["attrs"]] == list(op.attrs)
+        assert all(a["required"] == (op.attrs[a["name"]] is opset.REQUIRED) for a in o["attrs"])
+        for b in BACKENDS:
+            cell = o["backends"][b]
+            assert cell["implemented"] == (o["op"] in tables[b])
+            assert cell["aligned"] == ("runtime" if o["group"] in ("comm", "moe") else
+                                       "not run" if cell["implemented"] else "not implemented")
+    c = d["counts"]
+    assert c["ops"] == len(opset.OPS) and c["aligned_on_all"] is None
+    assert c["implemented_by_all"] == sum(all(o in tables[b] for b in BACKENDS) for o in opset.OPS)
+    assert c["per_backend"] == {b: {"implemented": len(set(tables[b]) & set(opset.OPS)),
+                                    "aligned": None} for b in BACKENDS}
+    text = run_cli("h2c", "ops")
+    assert text.returncode == 0 and "implemented by all of" in text.stdout

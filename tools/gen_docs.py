@@ -232,6 +232,40 @@ def render_opset(runs: list[Run]) -> str:
             + table(["group", "ops", "executed by", *(f"{b} implements" for b in backends)], rows))
 
 
+def render_ops(runs: list[Run]) -> str:
+    """`h2c ops --check --json`: one row per op (signature, per backend: implemented, aligned,
+    max rel error), then the counts."""
+    (r,) = runs
+    if r.rc not in (0, 1):          # 1: an op failed check-ops; the table is still complete
+        raise RegionFailed(r.why_failed())
+    d = parse_json(r)
+    backends = list(d["backends"])
+    status = {"pass": "pass", "fail": "**FAIL**", "not run": "not run", "not implemented": "—",
+              "runtime": "runtime"}
+
+    def cell(b: dict) -> str:
+        text = status.get(b["aligned"], b["aligned"])
+        return f"{text} ({_e(b['max_rel'])})" if "max_rel" in b else text
+
+    def signature(o: dict) -> str:
+        attrs = [a["name"] if a["required"] else f"{a['name']}={json.dumps(a['default'])}"
+                 for a in o["attrs"]]
+        return (", ".join(o["inputs"]) or "—") + ("; " + ", ".join(attrs) if attrs else "")
+
+    rows = [[f"`{o['op']}`", o["group"], signature(o)] + [cell(o["backends"][b]) for b in backends]
+            for o in d["ops"]]
+    c = d["counts"]
+    aligned = c["aligned_on_all"] if c["aligned_on_all"] is not None else "not run"
+    per = "; ".join(f"{b}: {v['implemented']} implemented, {v['aligned']} aligned"
+                    for b, v in c["per_backend"].items())
+    return (f"`{r.shown}` (check-ops at {d['check']['dtype']}; a cell is the result and the op's "
+            "max rel error, `runtime` an op the runtime and DiComm execute):\n\n"
+            + table(["op", "group", "inputs; attributes", *backends], rows)
+            + f"\n\n**{c['ops']} ops** ({c['kernel_ops']} kernel ops); implemented by all of "
+              f"{', '.join(backends)}: **{c['implemented_by_all']}**; aligned on all: "
+              f"**{aligned}** ({per}).")
+
+
 def _e(x: float) -> str:
     return f"{x:.1e}"
 
@@ -387,6 +421,8 @@ def _check_ops(*args) -> tuple:
 BENCH = "docs/performance.md"
 REGIONS = {r.name: r for r in [
     Region("opset", "docs/backends.md", (("tools/gen_docs.py", "--opset-counts"),), render_opset),
+    Region("ops", "docs/backends.md", (("-m", "frontend.cli", "ops", "--check", "--json"),),
+           render_ops),
     Region("check-ops", "docs/backends.md", (
         _check_ops("--backend", "numpy"), _check_ops("--backend", "torch"),
         _check_ops("--backend", "torch", "--dtype", "bf16"),
