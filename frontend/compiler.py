@@ -336,8 +336,8 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
 
     torch.manual_seed(seed)
     model = cap.model_file.build(model_args)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
+    buffers = dict(model.named_buffers(remove_duplicate=False))
     for p in progs:
         save_file({k: params[k].detach().numpy().copy() for k in p.params},
                   str(out / f"weights/stage{p.index}.safetensors"))
