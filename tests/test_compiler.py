@@ -69,7 +69,7 @@ def _pipeline_grads(path, args, splits, mb=2, seq=16, seed=0):
 
 @pytest.mark.parametrize("path, args, splits", [
     ("examples/llama_tiny.py", {"n_layers": 3}, [2, 1, 2]),
-    ("tests/hf_llama_model.py", {"layers": 3}, [2, 3]),
+    ("examples/hf/decoders.py", {"layers": 3}, [2, 3]),            # LlamaForCausalLM, sdpa
     ("examples/moe_tiny.py", {"n_layers": 2}, [2, 2]),
 ])
 def test_stage_gradients_equal_eager_autograd(path, args, splits):
