@@ -63,17 +63,18 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
                 executable: bool = True, calibration=None):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
-    runs today (tp=1, no expert parallelism)."""
-    max_tp = 1 if executable else None
+    runs today (tp=1, ep=1: MoE experts run inside each stage)."""
+    max_tp = max_ep = 1 if executable else None
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
                                 schedule=schedule, method=search, calibration=calibration,
-                                max_tp=max_tp)
+                                max_tp=max_tp, max_ep=max_ep)
         plan = res.plan
     elif plan_arg == "uniform":
         plan = heteroauto.uniform_plan(costs, cluster, global_batch, seq_len=seq_len,
                                        micro_batch=micro_batch, schedule=schedule,
-                                       calibration=calibration, max_tp=max_tp).plan
+                                       calibration=calibration, max_tp=max_tp,
+                                       max_ep=max_ep).plan
     else:
         raise ValueError(f"search_plan makes 'auto' or 'uniform' plans, not {plan_arg!r}")
     plan.model = model_path or plan.model
@@ -306,7 +307,11 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     out = _prepare_build_dir(out_dir, dry_run)
     log(f"building forward/backward programs for {len(plan.stages)} stage(s) "
         f"({time.perf_counter() - t0:.1f} s so far) ...")
-    progs = build_stage_programs(cap, [list(s.layers) for s in plan.stages], name=cap.model_file.name)
+    try:
+        progs = build_stage_programs(cap, [list(s.layers) for s in plan.stages],
+                                     name=cap.model_file.name)
+    except H2Error as e:          # an op met only in a backward program: locate it in the model
+        raise cap.locate(e) from None
 
     (out / "plan.h2plan").write_text(format_plan(plan))
     if cluster.source and Path(cluster.source).is_file():

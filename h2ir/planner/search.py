@@ -568,15 +568,16 @@ def _moe_layers(costs: ModelCosts):
     return [l for l in costs.layers if l.moe is not None]
 
 
-def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, tps: dict) -> MoEPlan | None:
+def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, tps: dict,
+              max_ep: int | None = None) -> MoEPlan | None:
     """Expert parallelism across the data-parallel replicas: the largest EP dividing both dp
-    and the expert count; all-to-all algorithm: whichever the resource model says is faster
-    summed over the chip types."""
+    and the expert count (at most `max_ep`); all-to-all algorithm: whichever the resource model
+    says is faster summed over the chip types."""
     moes = _moe_layers(costs)
     if not moes:
         return None
     E = moes[0].moe.num_experts
-    ep = max(d for d in _divisors(dp) if E % d == 0)
+    ep = max(d for d in _divisors(dp) if E % d == 0 and (max_ep is None or d <= max_ep))
     if ep <= 1:
         return MoEPlan(ep=1)
     mi = moes[0].moe
@@ -659,7 +660,8 @@ def _uniform_bounds(costs: ModelCosts, S: int) -> list[int] | None:
 
 def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
                        micro_batches, schedule: str, calibration=None, rms=None, dp_options=None,
-                       kinds: dict | None = None, max_tp: int | None = None):
+                       kinds: dict | None = None, max_tp: int | None = None,
+                       max_ep: int | None = None):
     """Uniform plans (one TP degree for all stages, larger-memory chips first, even layer
     split) for every dp / micro-batch / TP; each with its estimate. Sorted, best first."""
     rms = rms if rms is not None else {}
@@ -672,7 +674,7 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
             rms[mb] = ResourceModel(costs, cluster, mb, seq_len, calibration)
         rm = rms[mb]
         cfg = Config(dp, mb, m, tps, memory_orders(cluster, list(counts))[0], tuple(sorted(counts.items())))
-        moe = _moe_plan(rm, cluster, rm.costs, dp, dict(tps))
+        moe = _moe_plan(rm, cluster, rm.costs, dp, dict(tps), max_ep)
         line = StageLine(rm, cfg, schedule, moe.ep if moe else 1, moe.a2a if moe else "flat", kinds)
         bounds = _uniform_bounds(costs, line.S)
         if bounds is None:
@@ -688,12 +690,13 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
 
 def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int | None = None,
                  micro_batch: int | None = None, schedule: str = "1f1b", calibration=None,
-                 max_tp: int | None = None) -> Candidate:
-    """The baseline: best uniform plan by simulated step time among the top few by estimate."""
+                 max_tp: int | None = None, max_ep: int | None = None) -> Candidate:
+    """The baseline: best uniform plan by simulated step time among the top few by estimate.
+    `max_tp`/`max_ep` bound the tensor- and expert-parallel degrees (1 for plans h2x runs)."""
     seq_len = seq_len or costs.seq_len
     mbs = micro_batch_options(global_batch, micro_batch)
     cands = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule, calibration,
-                               max_tp=max_tp)
+                               max_tp=max_tp, max_ep=max_ep)
     if not cands:
         raise H2Error(f"no uniform plan of {costs.model} fits {cluster.name} "
                       f"(global batch {global_batch})")
@@ -846,7 +849,8 @@ class _BestFirstSearch:
 
     def __init__(self, costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
                  schedule: str, exhaustive: bool, keep: int, node_budget: int, orders: list,
-                 rms: dict, kinds: dict):
+                 rms: dict, kinds: dict, max_ep: int | None = None):
+        self.max_ep = max_ep
         self.costs, self.cluster, self.global_batch, self.seq_len = costs, cluster, global_batch, seq_len
         self.schedule, self.exhaustive, self.keep, self.node_budget = schedule, exhaustive, keep, node_budget
         self.orders, self.rms, self.kinds = orders, rms, kinds
@@ -883,7 +887,7 @@ class _BestFirstSearch:
             rm = self.rms[mb]
             if not _fits_at_all(rm, self.cluster, counts, dp):
                 continue
-            moe = _moe_plan(rm, self.cluster, rm.costs, dp, dict(tps))
+            moe = _moe_plan(rm, self.cluster, rm.costs, dp, dict(tps), self.max_ep)
             ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
             stats = self.bound.stats(rm, {(c, t): counts[c] // (dp * t) for c, t in tps}, ep, a2a)
             cfg = Config(dp, mb, m, tps, self.orders[0], counts_t)
@@ -948,7 +952,7 @@ def _rank_by_simulation(costs: ModelCosts, cluster: Cluster, found: list, unifor
 def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
            micro_batch: int | None = None, schedule: str = "1f1b", method: str = "heuristic",
            calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 30_000,
-           max_tp: int | None = None) -> SearchResult:
+           max_tp: int | None = None, max_ep: int | None = None) -> SearchResult:
     """HeteroAuto: the plan with the lowest simulated step time among the best candidates.
 
     Heuristic: best-first over lazily refined lower bounds (`_BestFirstSearch`). A configuration
@@ -974,12 +978,12 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
     rms: dict[int, ResourceModel] = {}
     kinds: dict = {}
     bfs = _BestFirstSearch(costs, cluster, global_batch, seq_len, schedule, exhaustive, keep,
-                           node_budget, orders, rms, kinds)
+                           node_budget, orders, rms, kinds, max_ep)
     bfs.add_configurations(cfgs, counts, calibration)
     bfs.run()
 
     uniforms = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule,
-                                  calibration, rms, dp_options, kinds, max_tp)
+                                  calibration, rms, dp_options, kinds, max_tp, max_ep)
     if not bfs.found and not uniforms:
         raise H2Error(f"no plan of {costs.model} fits in {cluster.name}'s memory "
                       f"(global batch {global_batch}, micro-batches {mbs})",
