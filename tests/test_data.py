@@ -264,9 +264,8 @@ def test_vocabulary_check_reads_a_token_file_in_bounded_pieces(tmp_path):
 
 
 # ---- end to end: h2x run on a token file and on tokenized text, resumed -----------------------
-BUILD_ARGS = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "n_layers=2",
-              "--arg", "max_seq=64", "--arg", "vocab=320", "--arg", "dim=64", "--arg", "n_heads=4",
-              "--arg", "ffn=128", "--plan", "uniform"]
+BUILD_ARGS = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "family=qwen2",
+              "--arg", "vocab=320", "--plan", "uniform"]
 
 
 def _losses(log):
@@ -275,9 +274,10 @@ def _losses(log):
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """llama_tiny (vocab 320) on one stage with 2 data-parallel replicas (`--plan uniform`)."""
+    """A public family (transformers' Qwen2ForCausalLM, tiny, vocab 320) on one stage with 2
+    data-parallel replicas (`--plan uniform`)."""
     b = tmp_path_factory.mktemp("build") / "b"
-    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *BUILD_ARGS, "-o", str(b))
+    r = run_cli("h2c", "compile", "examples/hf/decoders.py", *BUILD_ARGS, "-o", str(b))
     assert r.returncode == 0, r.stderr
     assert json.loads((b / "manifest.json").read_text())["dp"] == 2
     return b
