@@ -437,6 +437,8 @@ REGIONS = {r.name: r for r in [
     Region("bench-frontend", BENCH, (("bench/bench_frontend.py",),), render_verbatim),
     Region("bench-pipeline", BENCH, (("bench/bench_pipeline.py", "--steps", "8", "--rounds", "3"),),
            render_verbatim),
+    Region("bench-models", BENCH, (("bench/bench_models.py",),), render_verbatim),
+    Region("hf-families", "docs/backends.md", (("tools/family_matrix.py",),), render_verbatim),
 ]}
 
 
