@@ -330,14 +330,23 @@ def moe_attrs(block: nn.Module, top_k: int | None = None) -> dict | None:
     return None
 
 
-def _traced_top_k(gm: torch.fx.GraphModule, prefix: str) -> int | None:
-    """k of the first topk the traced graph runs inside module `prefix` (the router's)."""
+def _traced_topks(gm: torch.fx.GraphModule) -> list[tuple[int, list[str]]]:
+    """(k, module paths on its stack) of every topk the traced graph runs, in graph order —
+    collected in one pass, so finding a block's router k costs nothing per block."""
+    out = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__name__", "").startswith("topk") \
                 and len(node.args) > 1 and isinstance(node.args[1], int):
             stack = node.meta.get("nn_module_stack") or {}
-            if any(_inside(module_path(v[0]), prefix) for v in stack.values()):
-                return node.args[1]
+            out.append((node.args[1], [module_path(v[0]) for v in stack.values()]))
+    return out
+
+
+def _traced_top_k(topks: list[tuple[int, list[str]]], prefix: str) -> int | None:
+    """k of the first topk the traced graph runs inside module `prefix` (the router's)."""
+    for k, paths in topks:
+        if any(_inside(p, prefix) for p in paths):
+            return k
     return None
 
 
@@ -348,9 +357,10 @@ class LayerGrouper:
         self.blocks = find_block_list(model)
         self.n_blocks = len(model.get_submodule(self.blocks)) if self.blocks else 0
         self.kinds = {}
+        topks = _traced_topks(gm)
         for i in range(self.n_blocks):
             attrs = moe_attrs(model.get_submodule(self.blocks)[i],
-                              _traced_top_k(gm, f"{self.blocks}.{i}")) if self.blocks else None
+                              _traced_top_k(topks, f"{self.blocks}.{i}")) if self.blocks else None
             self.kinds[i] = ("moe_block", {"module": f"{self.blocks}.{i}", **attrs}) if attrs else \
                 ("transformer_block", {"module": f"{self.blocks}.{i}"})
         # index of each call node; first/last node inside any block

@@ -56,7 +56,9 @@ def _pipeline_grads(path, args, splits, mb=2, seq=16, seed=0):
         env.update({f"grad.{k}": upstream[k] for k in p.tangents})
         outs = run_program(p.bwd, be, env)
         gmap = dict(zip(p.input_grads, outs))
-        grads.update({k: v for k, v in gmap.items() if k in params})
+        for k, v in gmap.items():       # a tied parameter's gradient is the sum over stages
+            if k in params:
+                grads[k] = grads[k] + v if k in grads else v
         upstream = {k: v for k, v in gmap.items() if k not in params}
     # eager autograd
     model.zero_grad()

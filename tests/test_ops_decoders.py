@@ -2,13 +2,14 @@
 captures them, and the single-stage forward/backward programs (every layer in one stage) give
 the loss and every parameter gradient of eager PyTorch autograd on the torch and NumPy backends.
 
-The model file is written by the test (a tiny random-weight config, all dropout 0), so the test
-depends only on transformers itself. Cases: llama with grouped-query attention (4 query heads, 2
+The model file is examples/hf/decoders.py (a tiny random-weight config, all dropout 0). Cases: llama with grouped-query attention (4 query heads, 2
 kv heads), gpt2 (layer_norm, gelu_new, tied embedding/LM head, bias terms), mixtral (MoE
 routing: topk, sort, index, scatter of the experts), each with transformers' default attention
 (sdpa: one fused `attention_masked` op with the causal/packed-sequence mask tensor) and eager
 attention (matmul, additive float mask, softmax).
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,49 +19,12 @@ from backends.registry import get_backend
 from frontend.capture import load_model_file, trace_model
 from frontend.stages import build_stage_programs
 
-MODEL_FILE = '''
-import torch.nn as nn
-import transformers as T
-
-
-class Logits(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids):
-        return self.lm(input_ids=input_ids, use_cache=False).logits
-
-
-def build_model(family="llama", attn="sdpa", experts=""):
-    if family == "gpt2":
-        cfg = T.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                           n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                           bos_token_id=0, eos_token_id=1)
-        model = T.GPT2LMHeadModel
-    else:
-        kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  attention_dropout=0.0, bos_token_id=0, eos_token_id=1)
-        if family == "mixtral":
-            cfg, model = T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw), \\
-                T.MixtralForCausalLM
-        else:
-            cfg, model = T.LlamaConfig(**kw), T.LlamaForCausalLM
-    cfg._attn_implementation = attn
-    if experts:
-        cfg._experts_implementation = experts
-    return Logits(model(cfg))
-'''
-
 MB, SEQ, VOCAB = 2, 16, 512
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("decoders") / "decoders.py"
-    path.write_text(MODEL_FILE)
-    return str(path)
+def model_file():
+    return str(Path(__file__).resolve().parent.parent / "examples/hf/decoders.py")
 
 
 def _rel(a, b) -> float:

@@ -1,15 +1,11 @@
 """Tied weights (embedding = LM head) split across stages: one logical parameter, owned by the
 first stage that reads it; its gradient is the sum over the stages; the copies never drift."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import ROOT, run_cli
-from backends.base import run_program
-from backends.registry import get_backend
 from frontend.capture import load_model_file, trace_model
 from frontend.stages import build_stage_programs
 from h2ir.schedule.streams import tied_stage_groups
@@ -33,49 +29,17 @@ def test_capture_keeps_one_tied_parameter():
 
 @pytest.mark.parametrize("split", [[4], [2, 2], [1, 2, 1]])
 def test_tied_gradient_summed_over_stages_equals_eager_autograd(split):
-    mb, seq = 2, 16
-    cap = trace_model(MODEL, ARGS, mb, seq)
+    from test_compiler import _pipeline_grads, _rel      # chains the stage programs as h2x does
+    cap = trace_model(MODEL, ARGS, 2, 16)
     names = [l.name for l in cap.graph.layers]
-    stage_layers, i = [], 0
-    for n in split:
-        stage_layers.append(names[i:i + n])
-        i += n
-    progs = build_stage_programs(cap, stage_layers)
+    bounds = np.cumsum([0] + split)
+    progs = build_stage_programs(cap, [names[a:b] for a, b in zip(bounds, bounds[1:])])
     holders = [p.index for p in progs if "embed.weight" in p.params]
     assert holders == sorted({0, len(split) - 1})     # both ends hold it
-    torch.manual_seed(0)
-    model = load_model_file(MODEL).build(ARGS)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    bufs = {k: v.detach().clone() for k, v in model.named_buffers()}
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 512, (mb, seq), generator=g)
-    targets = torch.randint(0, 512, (mb, seq), generator=g)
-    be = get_backend("torch")
-    acts, saved = {progs[0].inputs[0]: tokens}, []
-    for p in progs:
-        env = {**{k: params[k] for k in p.params}, **{k: bufs[k] for k in p.consts}, **acts}
-        if p is progs[-1]:
-            env["targets"] = targets
-        outs = run_program(p.fwd, be, env)
-        n = len(p.outputs) - len(p.passthrough)
-        saved.append({v.name: o for v, o in zip(p.fwd.outputs[n:], outs[n:])})
-        acts = dict(zip([k for k in p.outputs if k not in p.passthrough], outs[:n]))
-        acts.update({k: env[k] for k in p.passthrough})
-    grads, upstream = {}, {"loss": torch.tensor(1.0)}
-    for p, sv in zip(reversed(progs), reversed(saved)):
-        env = {**{k: params[k] for k in p.params}, **{k: bufs[k] for k in p.consts}, **sv}
-        env.update({f"grad.{k}": upstream[k] for k in p.tangents})
-        gmap = dict(zip(p.input_grads, run_program(p.bwd, be, env)))
-        for k, v in gmap.items():
-            if k in params:
-                grads[k] = grads[k] + v if k in grads else v      # the owner's sum
-        upstream = {k: v for k, v in gmap.items() if k not in params}
-    out = model(tokens)
-    torch.nn.functional.cross_entropy(out.reshape(-1, 512), targets.reshape(-1)).backward()
-    for k, prm in model.named_parameters():
-        ref = prm.grad.numpy()
-        err = np.abs(grads[k].numpy() - ref).max() / np.abs(ref).max()
-        assert err <= 1e-5, (k, err)
+    loss, grads, ref, eager = _pipeline_grads(MODEL, ARGS, split)
+    assert _rel(loss, ref.detach()) <= 1e-5
+    worst = max(_rel(grads[k], eager[k]) for k in eager)
+    assert worst <= 1e-5, worst
 
 
 PLAN = """model    "examples/llama_tiny.py"

@@ -5,7 +5,7 @@ causal-LM family transformers knows, wrapped only as `model(input_ids=ids, use_c
 
 `family` is a transformers `model_type` (llama, mistral, qwen2, gemma, phi3, gpt2, mixtral,
 qwen2_moe, ...); `attn` the attention implementation (`sdpa`, transformers' default, or
-`eager`). Sizes are set through the generic config names (hidden_size, num_hidden_layers, ...),
+`eager`); `experts` a MoE experts kernel (`batched_mm`; default transformers' `grouped_mm`). Sizes are set through the generic config names (hidden_size, num_hidden_layers, ...),
 which every family maps to its own; dropout is off so runs are comparable with eager training.
 """
 import torch.nn as nn
@@ -32,7 +32,7 @@ class CausalLMLogits(nn.Module):
 
 
 def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads=4, kv_heads=2,
-                vocab=512, max_seq=256, tie=None):
+                vocab=512, max_seq=256, tie=None, experts=""):
     extra = dict(FAMILY_CONFIG.get(family, {}))
     if tie is not None:
         extra["tie_word_embeddings"] = bool(tie)
@@ -47,4 +47,6 @@ def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads
         if isinstance(getattr(cfg, f, None), float):
             setattr(cfg, f, 0.0)
     cfg._attn_implementation = attn
+    if experts:          # MoE experts kernel: transformers' default grouped_mm, or batched_mm
+        cfg._experts_implementation = experts
     return CausalLMLogits(AutoModelForCausalLM.from_config(cfg))
