@@ -34,6 +34,7 @@ from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
 from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
+from h2ir.opset import DROPOUT_SEED_INPUT, dropout_seed
 from h2ir.schedule.interpret import StreamInterpreter
 from h2ir.types import FLOAT_DTYPES, TensorType, dtype_of_host, host_dtype
 
@@ -79,6 +80,7 @@ class Worker(StreamInterpreter):
                             if self.in_types[k].dtype in FLOAT_DTYPES]
         self.grad_outputs = [k for k in self.sig["outputs"] if k != "loss" and
                              self._type_of(k).dtype in FLOAT_DTYPES]
+        self.takes_rng = any(v.name == DROPOUT_SEED_INPUT for v in st.fwd.inputs)
         self.trace: list = []
         self.reset_step(0)
 
@@ -109,6 +111,10 @@ class Worker(StreamInterpreter):
             env.update(self.acts_in.pop(mb))
         if self.last:
             env["targets"] = self.be.from_numpy(targets, "i64")
+        if self.takes_rng:
+            m = self.build.manifest
+            seed = dropout_seed(m["seed"], self.step, self.replica, m["dp"], self.m, mb)
+            env[DROPOUT_SEED_INPUT] = self.be.from_numpy(np.array(seed, dtype=np.int64), "i64")
         outs = run_program(self.st.fwd, self.be, env)
         n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
         computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]

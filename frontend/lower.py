@@ -8,6 +8,7 @@ module path and the model source line.
 from __future__ import annotations
 
 import operator
+import zlib
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,7 @@ import torch
 import torch.fx
 
 from h2ir.errors import H2Error
+from h2ir.opset import DROPOUT_SEED_INPUT as RNG_INPUT
 from h2ir.graph import Graph, Layer, Node, Value, infer_types
 from h2ir.types import DTYPE_TABLE, FLOAT_DTYPES, TensorType
 
@@ -43,10 +45,20 @@ class Unsupported(Exception):
 class Emitter:
     """Appends h2ir nodes to the current layer; types come from the op set's shape rules."""
 
-    def __init__(self, namer: Callable[[str], str]):
+    def __init__(self, namer: Callable[[str], str], rng_seed: Callable[[], Value] | None = None):
         self.nodes: list[Node] = []
         self.namer = namer
         self.hint = "t"
+        self.rng_seed = rng_seed      # the program's `rng.seed` input (i64[2]), made on demand
+        self.layer = ""               # the layer being emitted (dropout sites are keyed by it)
+        self.sites: dict[str, int] = {}
+
+    def dropout_site(self) -> int:
+        """A number for the next dropout site of the current layer, the same in every program
+        that holds the layer (capture, stage programs): crc32 of (layer, index), 20 bits."""
+        k = self.sites.get(self.layer, 0)
+        self.sites[self.layer] = k + 1
+        return zlib.crc32(f"{self.layer}:{k}".encode()) & 0xFFFFF
 
     def __call__(self, op: str, *inputs, **attrs):
         from h2ir import opset
@@ -428,17 +440,20 @@ def _clamp(em, x, min=None, max=None):
     return x
 
 
-def _dropout(em, x, p, train):
-    if p == 0 or not train:
-        return x
-    raise Unsupported("dropout with p > 0 in training: the op set's `dropout` op takes an RNG "
-                      "seed tensor, which stage programs do not carry yet; train with dropout 0")
-
-
 def _native_dropout(em, x, p, train):
+    """Dropout with h2's counter-based mask (the same bits on every backend): the program's
+    `rng.seed` input — (run seed, a per-micro-batch counter), which the worker supplies — plus
+    this site's number, so every dropout site of every layer draws its own mask."""
     if p == 0 or not train:
         return x, em("full", shape=_shape(x), value=True, dtype="bool")
-    return _dropout(em, x, p, train)
+    if em.rng_seed is None:
+        raise Unsupported("dropout with p > 0 outside a program that takes an RNG seed")
+    site = em("full", shape=[2], value=em.dropout_site(), dtype="i64")
+    return em("dropout", x, em("add", em.rng_seed(), site), p=float(p))
+
+
+def _dropout(em, x, p, train):
+    return _native_dropout(em, x, p, train)[0] if p and train else x
 
 
 def _native_dropout_bwd(em, g, mask, scale):
@@ -716,7 +731,16 @@ class _Lowering:
         self.used_names: set[str] = set()
         self.param_owner: dict[str, str] = {}        # parameter value name -> its layer
         self.layers: dict[str, Layer] = {}
-        self.em = Emitter(self.namer)
+        self.em = Emitter(self.namer, self.rng_seed)
+        self._rng: Value | None = None
+
+    def rng_seed(self) -> Value:
+        """The program input `rng.seed` (i64[2]: run seed, micro-batch counter), added the first
+        time a dropout site needs it."""
+        if self._rng is None:
+            self._rng = Value(RNG_INPUT, TensorType("i64", (2,)))
+            self.g.inputs.append(self._rng)
+        return self._rng
 
     def namer(self, hint: str) -> str:
         """A value name from `hint`, made unique within the graph."""
@@ -777,6 +801,7 @@ class _Lowering:
         fn = self.lowering_of(node)
         self.em.hint = self.prefix + node.name
         self.em.nodes = layer.nodes
+        self.em.layer = layer.name
         try:
             if getattr(fn, "wants_out", False):
                 res = fn(self.em, *args, _out=node.meta["val"], **kwargs)

@@ -22,6 +22,7 @@ from functorch.compile import aot_function, make_boxed_func
 
 from frontend.capture import Capture
 from frontend.lower import lower_fx, tensor_type
+from h2ir.opset import DROPOUT_SEED_INPUT as RNG_INPUT
 from h2ir.errors import H2Error
 from h2ir.graph import Graph, Layer, Node, Value
 
@@ -336,6 +337,10 @@ def _join_forward(gname: str, s: int, unit_progs: list[_LayerProgram], inputs: l
         v = Value(k, in_types[k])
         fwd.inputs.append(v)
         env[k] = v
+    rng = next((v for lp in unit_progs for v in lp.fwd.inputs if v.name == RNG_INPUT), None)
+    if rng is not None:           # a layer draws dropout masks: the stage takes the seed
+        fwd.inputs.append(rng)
+        env[RNG_INPUT] = rng
     saved: list[str] = []
     for lp in unit_progs:
         fwd.layers.append(_join_forward_layer(fwd, s, lp, env))

@@ -491,6 +491,17 @@ DROPOUT_RNG = {"gamma": 0x9E3779B97F4A7C15, "m1": 0xBF58476D1CE4E5B9, "m2": 0x94
                "shifts": (30, 27, 31), "bits": 24}
 
 
+# The program input dropout sites draw from: i64[2] = (run seed, micro-batch counter << 20); the
+# lowering adds each site's 20-bit number, the executor supplies the input per micro-batch.
+DROPOUT_SEED_INPUT = "rng.seed"
+
+
+def dropout_seed(run_seed: int, step: int, replica: int, dp: int, microbatches: int, mb: int):
+    """(seed, counter) of one micro-batch's dropout masks: a pure function of where it is in
+    training, so a resumed run draws the masks the uninterrupted run drew."""
+    return run_seed, (((step * dp + replica) * microbatches + mb) << 20)
+
+
 def dropout_threshold(p: float) -> int:
     """The 24-bit integer threshold of keep(i) = bits(i) >= threshold."""
     return int(round(p * (1 << DROPOUT_RNG["bits"])))

@@ -71,3 +71,40 @@ def test_family_trains_like_eager_transformers(tmp_path, family, attn, backend):
 @pytest.mark.parametrize("backend", ["torch", "numpy"])
 def test_llama_multi_head_attention(tmp_path, backend):
     train_and_compare(tmp_path, "llama", "eager", backend, extra=[("kv_heads", 4)])
+
+
+def test_dropout_sites_draw_from_the_programs_seed():
+    """p > 0: every dropout site adds its own number to the program's `rng.seed` input."""
+    from frontend.capture import trace_model
+    from frontend.stages import build_stage_programs
+    from h2ir.opset import DROPOUT_SEED_INPUT
+    args = {"family": "llama", "attn": "eager", "dropout": 0.1}
+    cap = trace_model(MODEL, args, MB, SEQ)
+    (prog,) = build_stage_programs(cap, [[l.name for l in cap.graph.layers]])
+    assert DROPOUT_SEED_INPUT in [v.name for v in prog.fwd.inputs]
+    sites = [n.inputs[1] for n in prog.fwd.nodes() if n.op == "dropout"]
+    assert len(sites) == 2                         # attention dropout in each of the 2 blocks
+    offsets = [n.attrs["value"] for n in prog.fwd.nodes()
+               if n.op == "full" and n.outputs[0].type.shape == (2,)]
+    assert len(set(offsets)) == 2                  # distinct per layer
+    assert not any(n.op == "dropout" for n in prog.bwd.nodes())   # the backward reuses the mask
+
+
+@pytest.mark.slow
+def test_dropout_masks_are_the_same_on_both_backends(tmp_path):
+    runs = {}
+    for backend in ("torch", "numpy"):
+        for p in (0.1, 0.0):
+            d = tmp_path / f"{backend}-{p}"
+            d.mkdir()
+            plan = d / "p.h2plan"
+            plan.write_text(two_stage_plan("llama", "eager", backend, [("dropout", p)]))
+            r = run_cli("h2c", "compile", MODEL, "--arg", "family=llama", "--arg", "attn=eager",
+                        "--arg", f"dropout={p}", "--plan", str(plan), "-o", str(d / "b"))
+            assert r.returncode == 0, r.stderr
+            r = run_cli("h2x", "run", str(d / "b"), "--steps", "4", "--json-log", str(d / "l"))
+            assert r.returncode == 0, r.stderr + r.stdout
+            runs[backend, p] = [json.loads(l)["loss"] for l in (d / "l").read_text().splitlines()]
+    t, n = runs["torch", 0.1], runs["numpy", 0.1]
+    assert max(abs(a - b) / abs(b) for a, b in zip(t, n)) <= 1e-5, (t, n)
+    assert max(abs(a - b) for a, b in zip(t, runs["torch", 0.0])) > 1e-3   # masks really drop

@@ -6,7 +6,8 @@ causal-LM family transformers knows, wrapped only as `model(input_ids=ids, use_c
 `family` is a transformers `model_type` (llama, mistral, qwen2, gemma, phi3, gpt2, mixtral,
 qwen2_moe, ...); `attn` the attention implementation (`sdpa`, transformers' default, or
 `eager`); `experts` a MoE experts kernel (`batched_mm`; default transformers' `grouped_mm`). Sizes are set through the generic config names (hidden_size, num_hidden_layers, ...),
-which every family maps to its own; dropout is off so runs are comparable with eager training.
+which every family maps to its own; dropout is off (`dropout=0.0`) so runs are comparable with
+eager training — with `dropout=p` h2 draws its own counter-based masks, the same on every backend.
 """
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -32,7 +33,7 @@ class CausalLMLogits(nn.Module):
 
 
 def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads=4, kv_heads=2,
-                vocab=512, max_seq=256, tie=None, experts=""):
+                vocab=512, max_seq=256, tie=None, experts="", dropout=0.0):
     extra = dict(FAMILY_CONFIG.get(family, {}))
     if tie is not None:
         extra["tie_word_embeddings"] = bool(tie)
@@ -45,7 +46,7 @@ def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads
         cfg.n_inner = int(ffn)
     for f in DROPOUT_FIELDS:
         if isinstance(getattr(cfg, f, None), float):
-            setattr(cfg, f, 0.0)
+            setattr(cfg, f, float(dropout))
     cfg._attn_implementation = attn
     if experts:          # MoE experts kernel: transformers' default grouped_mm, or batched_mm
         cfg._experts_implementation = experts
