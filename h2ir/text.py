@@ -236,6 +236,13 @@ class _Resolve:
             check_node_types(n)
         except ValueError as e:
             raise H2Error(str(e), self.file, line, col) from None
+        except (AttributeError, TypeError, IndexError, KeyError):
+            # a literal where the op's rule needs a typed value (e.g. `view` for `%view`)
+            bad = [repr(a) for a in inputs if not isinstance(a, Value)]
+            raise H2Error(f"{op}: its inputs do not fit the op's signature "
+                          f"({', '.join(opset.OPS[op].inputs)})"
+                          + (f"; {', '.join(bad)} is a literal, expected a value like %name"
+                             if bad else ""), self.file, line, col) from None
         return n
 
 

@@ -74,3 +74,15 @@ def test_opset_is_data_with_rules():
 def test_literals_round_trip():
     text = SMALL.replace("mul(%y, 0.5)", "mul(%y, -1e-05)")
     assert print_graph(parse_graph(text)).count("-1e-05") == 1
+
+
+def test_a_literal_where_a_value_belongs_is_a_located_error(tiny_graph):
+    from h2ir.errors import H2Error
+    from h2ir.text import parse_graph, print_graph
+    text = print_graph(tiny_graph)
+    line = next(i for i, l in enumerate(text.splitlines(), 1) if " = mm(%" in l)
+    lines = text.splitlines()
+    lines[line - 1] = lines[line - 1].replace("mm(%", "mm(", 1)
+    with pytest.raises(H2Error) as e:
+        parse_graph("\n".join(lines) + "\n", "m.h2ir")
+    assert e.value.line == line and "expected a value like %name" in e.value.message
