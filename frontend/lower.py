@@ -163,16 +163,33 @@ def _type_as(em, x, other):
 
 def _reduce(op):
     def f(em, x, dims=None, keepdim=False, dtype=None):
+        if dtype is None and op == "sum" and x.type.dtype not in FLOAT_DTYPES:
+            dtype = torch.int64            # ATen sums bool and integer tensors in int64
         if dtype is not None and h2_dtype(dtype) != x.type.dtype:
             x = em("cast", x, dtype=h2_dtype(dtype))
         return em(op, x, dims=_dims(dims, x.type.rank), keepdim=bool(keepdim))
     return f
 
 
+def _promote(em, a, b):
+    """ATen's type promotion for two tensors of different dtypes: a float beats an integer or
+    bool (the other is cast to it); of two floats or two integers the wider wins."""
+    if not (isinstance(a, Value) and isinstance(b, Value)) or a.type.dtype == b.type.dtype:
+        return a, b
+    da, db = DTYPE_TABLE[a.type.dtype], DTYPE_TABLE[b.type.dtype]
+    if da.is_float != db.is_float:
+        to = da if da.is_float else db
+    else:
+        to = da if da.itemsize >= db.itemsize else db
+    cast = lambda v: v if v.type.dtype == to.name else em("cast", v, dtype=to.name)
+    return cast(a), cast(b)
+
+
 def _binary(op, swap=False):
     def f(em, a, b, alpha=1):
         if alpha != 1:
             b = em("mul", b, alpha)
+        a, b = _promote(em, a, b)
         return em(op, b, a) if swap else em(op, a, b)
     return f
 

@@ -189,3 +189,28 @@ def test_compiled_program_equals_reference_interpreter(backend):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(be.to_numpy(a), be.to_numpy(b))
+
+
+AMAX_MODEL = '''
+import torch, torch.nn as nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.layers, self.head = nn.Embedding(64, 16), nn.ModuleList([nn.Linear(16, 16)]), nn.Linear(16, 64)
+    def forward(self, ids):
+        x = self.emb(ids)
+        for l in self.layers:
+            x = l(x)
+            x = x - torch.amax(x, dim=-1, keepdim=True)   # backward: bool mask summed, f32 / i64
+        return self.head(x)
+def build_model():
+    return M()
+'''
+
+
+def test_mixed_dtype_arithmetic_promotes_like_aten(tmp_path):
+    path = tmp_path / "amax_model.py"
+    path.write_text(AMAX_MODEL)
+    loss, grads, ref, eager = _pipeline_grads(str(path), {}, [3], mb=1, seq=8)
+    assert _rel(loss, ref.detach()) <= 1e-6
+    assert max(_rel(grads[k], eager[k]) for k in eager) <= 1e-6
