@@ -170,15 +170,14 @@ def _read_inputs(cluster_arg: str, plan_arg: str, global_batch, micro_batch, seq
     return _Inputs(plan_arg, cluster, fplan, fplan.global_batch, fplan.micro_batch, fplan.seq_len)
 
 
-def _capture_and_plan(model_path, model_args, inp: _Inputs, cal, *, schedule, search, dry_run,
-                      log):
+def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search, dry_run, log):
     """Trace the model, then plan it (search/uniform) or take the plan file; retrace at the
-    plan's micro-batch if the search chose another."""
+    plan's micro-batch if the search chose another. Also returns the calibration used."""
     mb_trace = inp.micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
     if inp.plan is None:      # the search ranks plans with measured layer times
         ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
-        cal = cluster_calibration(inp.cluster)      # now with this model's layer times
+    cal = cluster_calibration(inp.cluster)
     cap = trace_model(model_path, model_args, mb_trace, inp.seq_len)
     costs = cap.graph.layer_costs()
     plan = inp.plan or search_plan(inp.plan_arg, costs, inp.cluster,
@@ -300,8 +299,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     t0 = time.perf_counter()
     model_args = model_args or {}
     inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
-    cal = cluster_calibration(inp.cluster)
-    cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, cal, schedule=schedule,
+    cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, schedule=schedule,
                                               search=search, dry_run=dry_run, log=log)
     cluster = inp.cluster
     out = _prepare_build_dir(out_dir, dry_run)

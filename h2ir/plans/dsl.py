@@ -199,11 +199,7 @@ class _PlanBuilder:
         prefix = f"stage.{index}"
         self.locations[prefix] = (stmt.meta.line, stmt.meta.column)
         got: dict = {}
-        for opt in stmt.children:
-            key = str(opt.data)
-            if key in got:
-                self.fail(f"stage option '{key}' given twice", opt)
-            self.locations[f"{prefix}.{key}"] = (opt.meta.line, opt.meta.column)
+        for key, opt in self.options(stmt, prefix, "stage", got):
             if key == "chip":
                 got[key] = self.text(opt.children[0])
             elif key in ("chips", "tp"):
@@ -219,6 +215,16 @@ class _PlanBuilder:
         return StagePlan(chip=got["chip"], chips=got["chips"], layers=got["layers"],
                          tp=got.get("tp", 1), recompute=got.get("recompute", "none"),
                          line=stmt.meta.line)
+
+    def options(self, stmt: Tree, prefix: str, what: str, got: dict):
+        """(key, option) of a statement's `key=value` options, each located; an option already
+        in `got` (the values read so far) is an error."""
+        for opt in stmt.children:
+            key = str(opt.data)
+            if key in got:
+                self.fail(f"{what} option '{key}' given twice", opt)
+            self.locations[f"{prefix}.{key}"] = (opt.meta.line, opt.meta.column)
+            yield key, opt
 
     def layers(self, opt: Tree) -> list[str]:
         names: list[str] = []
@@ -253,11 +259,7 @@ class _PlanBuilder:
 
     def moe(self, stmt: Tree) -> MoEPlan:
         got: dict = {}
-        for opt in stmt.children:
-            key = str(opt.data)
-            if key in got:
-                self.fail(f"moe option '{key}' given twice", opt)
-            self.locations[f"moe.{key}"] = (opt.meta.line, opt.meta.column)
+        for key, opt in self.options(stmt, "moe", "moe", got):
             if key == "ep":
                 got[key] = self.positive(opt.children[0], "ep")
             elif key == "placement":
