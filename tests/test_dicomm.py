@@ -65,18 +65,21 @@ def test_bf16_conversion_matches_torch():
     assert dicomm.dtype_name(ours.dtype) == "bf16"
 
 
-def test_crc32_combine_and_parallel_checksum_match_zlib():
-    import zlib
+def test_payload_digest_tree_and_fused_copy_agree():
+    import hashlib
     from executor.dicomm import checksum
     data = np.random.default_rng(2).integers(0, 256, 3 * checksum.PARALLEL_BYTES + 12345,
                                              dtype=np.uint8)
-    for cut in (0, 1, 1000, data.size // 2, data.size):
-        a, b = data[:cut], data[cut:]
-        assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), b.size) == zlib.crc32(data)
-    assert checksum.checksum(data) == zlib.crc32(data)          # chunked on the thread pool
-    out = np.zeros_like(data)
-    assert checksum.copy_with_checksum(out, data) == zlib.crc32(data)
-    assert np.array_equal(out, data)
+    small = data[:checksum.PARALLEL_BYTES - 1]
+    assert checksum.digest(small) == hashlib.sha256(small).digest()
+    leaves = b"".join(hashlib.sha256(data[i:i + checksum.CHUNK_BYTES]).digest()
+                      for i in range(0, data.size, checksum.CHUNK_BYTES))
+    tree = hashlib.sha256(b"h2-tree" + data.size.to_bytes(8, "little") + leaves).digest()
+    assert checksum.digest(data) == tree                        # chunked on the thread pool
+    for part in (small, data):
+        out = np.zeros_like(part)
+        assert checksum.copy_with_digest(out, part) == checksum.digest(part)
+        assert np.array_equal(out, part)
 
 
 def _frame_bytes() -> bytearray:
@@ -87,7 +90,7 @@ def _frame_bytes() -> bytearray:
 def test_corrupt_payload_is_detected():
     buf = _frame_bytes()
     buf[-5] ^= 0x01
-    with pytest.raises(CommError, match="CRC-32"):
+    with pytest.raises(CommError, match="does not match the SHA-256 digest"):
         dicomm.decode_frame(buf)
 
 
@@ -107,7 +110,7 @@ def test_garbage_and_inconsistent_headers_are_rejected():
         dicomm.decode_frame(b"GET / HTTP/1.1\r\n" + bytes(buf))
     from executor.dicomm.frame import encode_message
     lie = encode_message({"kind": "act", "stage": 0, "mb": 0, "dtype": "f32", "shape": [4],
-                          "nbytes": 8, "seq": 0, "crc": 0, "src": 0})
+                          "nbytes": 8, "seq": 0, "digest": bytes(32), "src": 0})
     with pytest.raises(CommError, match="nbytes 8 but f32"):
         dicomm.decode_frame(lie + bytes(8))
 
@@ -339,8 +342,18 @@ def _bad_secret(rank, world, port, ns, _):
             comm.recv(1, kind="act", timeout=0.5)
     else:
         comm = _connect(rank, world, port, ns, "tcp", secret="not-the-secret")
+        with pytest.raises(CommError, match="record at .*rank/0' failed authentication"):
+            comm.send(0, np.ones(4, np.float32), kind="act")   # rank 0's record: wrong MAC
+        # Dialled anyway (the record's bytes read without their MAC), the handshake refuses it.
+        import msgpack
+        from executor.dicomm import handshake
+        from executor.dicomm.tcp import SocketStream, dial_tcp
+        raw = comm._rdv._fetch("rank/0", "rank 0's record", 5.0)[:-handshake.MAC_BYTES]
+        record = msgpack.unpackb(raw)
+        stream = SocketStream(dial_tcp(record["host"], record["port"], 5.0), 0)
         with pytest.raises(CommError, match="rejected the handshake"):
-            comm.send(0, np.ones(4, np.float32), kind="act")
+            handshake.connect(stream, 1, 0, b"not-the-secret", "tcp")
+        stream.close()
     comm.close()
 
 

@@ -27,14 +27,17 @@ Worker:
 Frames are tagged (kind, micro-batch) and may arrive in any order; `recv` waits for the matching
 one. Every wait is bounded by `timeout`: a dead or silent peer raises `CommError`, never hangs.
 Connections are authenticated with an HMAC-SHA256 challenge over the per-run secret; a peer
-without it is rejected and listed in `comm.rejected`.
+without it is rejected and listed in `comm.rejected`. Every message after the handshake carries
+an HMAC tag under per-connection keys, and every rendezvous record an HMAC under the secret, so
+neither altered traffic nor a rewritten store record is acted on. `comm.links()` says which
+transport each opened link really uses (and why, when it is not the requested one).
 
 Frame format, transports, handshake and measured figures: docs/dicomm.md.
 Benchmark: `h2x bench-comm` (executor.dicomm.bench.bench_main).
 """
-from executor.dicomm.comm import DEFAULT_TIMEOUT, TRANSPORTS, Comm, connect
+from executor.dicomm.comm import DEFAULT_TIMEOUT, TRANSPORTS, Comm, connect, describe_links
 from executor.dicomm.errors import CommError
-from executor.dicomm.checksum import CRC_IMPL
+from executor.dicomm.checksum import DIGEST_IMPL
 from executor.dicomm.frame import (DTYPES, Header, decode_frame, dtype_name,
                                    encode_frame, from_bf16, to_bf16)
 from executor.dicomm.handshake import new_secret
@@ -44,4 +47,4 @@ from executor.dicomm.rendezvous import host_store
 
 __all__ = ["connect", "Comm", "CommError", "Frame", "Header", "host_store", "new_secret",
            "encode_frame", "decode_frame", "to_bf16", "from_bf16", "dtype_name", "DTYPES",
-           "TRANSPORTS", "DEFAULT_TIMEOUT", "CRC_IMPL", "rdma_probe"]
+           "TRANSPORTS", "DEFAULT_TIMEOUT", "DIGEST_IMPL", "rdma_probe", "describe_links"]

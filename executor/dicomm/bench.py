@@ -5,7 +5,7 @@ host, beside memcpy (numpy copy of the same size, measured in the same run) as t
     bandwidth  one-way stream of `count` tensors then a 1-element ack, best of 3 repetitions
     memcpy     np.copyto into a preallocated buffer, best of several copies
 
-The receiver uses recv(view=True), so on shm it reads the sender's segment in place (CRC-checked)
+The receiver uses recv(view=True), so on shm it reads the sender's segment in place (digest-checked)
 and the sender's one copy into the segment is the only copy. H2 (arXiv 2505.17548) reports its
 device-direct RDMA path at 9.94x lower latency than TCP/IP; the shm/tcp ratio is printed beside it.
 """
@@ -59,7 +59,7 @@ def run_bench(transports: list[str], sizes: list[int] = SIZES, timeout: float = 
     """Spawn the two worker processes and collect their measurements."""
     from executor.dicomm import rdma
     from executor.dicomm.errors import CommError
-    from executor.dicomm.checksum import CRC_IMPL
+    from executor.dicomm.checksum import DIGEST_IMPL
     from executor.dicomm.handshake import new_secret
     from executor.dicomm.rendezvous import host_store
 
@@ -69,7 +69,7 @@ def run_bench(transports: list[str], sizes: list[int] = SIZES, timeout: float = 
         if not ok:
             unavailable["rdma"] = why
             transports = [t for t in transports if t != "rdma"]
-    result = {"sizes": sizes, "crc": CRC_IMPL, "cpus": os.cpu_count(),
+    result = {"sizes": sizes, "digest": DIGEST_IMPL, "cpus": os.cpu_count(),
               "h2_reported_ratio": H2_REPORTED_RATIO, "unavailable": unavailable,
               "transports": {}, "memcpy_gib_s": []}
     result["load_average_before"] = os.getloadavg()[0]
@@ -202,7 +202,8 @@ def format_table(result: dict) -> str:
     names = list(result["transports"])
     lines = [f"h2x bench-comm: 2 processes on this host ({result['cpus']} CPUs, 1-min load average "
              f"{result['load_average_before']:.1f} before, {result['load_average_after']:.1f} "
-             f"after), loopback; CRC-32 via {result['crc']}",
+             f"after), loopback; every message HMAC-SHA256-tagged, payload "
+             f"{result['digest']} digest",
              "latency = median half round trip (us); bandwidth = best of 3 one-way streams "
              "(GiB/s); % = bandwidth / memcpy"]
     head = f"{'size':>8} {'memcpy':>8} |"

@@ -1,77 +1,43 @@
-"""CRC-32 of frame payloads, fast enough not to be the bottleneck of a shared-memory link.
+"""The payload digest of a frame: SHA-256, computed fast enough not to be a shared-memory link's
+bottleneck.
 
-The value is always the plain CRC-32 of the whole payload (zlib's polynomial, what zlib.crc32
-returns), whichever way it is computed:
+Every tensor frame's header carries `digest`, a 32-byte SHA-256 digest of its payload. On a link
+the header is authenticated by the connection's HMAC tag (seal.py), so the digest binds the
+payload to the tag: altering a payload byte in transit (or in an shm segment) means finding a
+SHA-256 second preimage. Off a link (`decode_frame` of bytes in memory) it detects accidents, as
+the CRC-32 that stood here before did.
 
-  * zlib-ng's crc32 (SIMD, ~3x the standard library here) when the `zlib-ng` package is
-    installed, else zlib's;
-  * payloads of PARALLEL_BYTES or more are cut into chunks whose CRCs are computed on a small
-    thread pool (crc32 releases the GIL) and joined with `crc32_combine`, the GF(2) polynomial
-    arithmetic of zlib's crc32_combine (zlib 1.2.12 crc32.c: multmodp, x2nmodp), re-derived here
-    because Python's zlib does not expose it.
+The value depends only on the payload bytes:
 
-`copy_with_checksum` does the shm sender's copy into its segment and the CRC in the same pass over
-each chunk, so the CRC reads bytes the copy has just brought into cache.
+  * below PARALLEL_BYTES: SHA-256 of the payload;
+  * from PARALLEL_BYTES on: SHA-256 over b"h2-tree", the payload length (u64 LE) and the SHA-256
+    of each CHUNK_BYTES chunk in order -- a two-level hash tree, so the chunks can be hashed on a
+    small thread pool (hashlib releases the GIL on large updates). The chunk size is fixed, so
+    sender and receiver agree whatever their thread counts.
+
+Why SHA-256 and not BLAKE2b or a keyed hash per payload: on x86 with SHA extensions OpenSSL's
+SHA-256 measured 1.7 GiB/s on a 64 MiB buffer and 2.7 us at 4 KiB, against 0.8 GiB/s and 4.9 us
+for hashlib's blake2b (development machine, single core); a keyed hash over the payload would
+add nothing, because the key already covers the header that carries the digest.
+
+`copy_with_digest` does the shm sender's copy into its segment and the hash in the same pass over
+each slice, so the hash reads bytes the copy has just brought into cache.
 """
 from __future__ import annotations
 
+import hashlib
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-try:  # same CRC-32 values, SIMD (PCLMUL) implementation
-    from zlib_ng import zlib_ng as _impl
-    CRC_IMPL = "zlib-ng"
-except ImportError:  # pragma: no cover - depends on the environment
-    _impl = zlib
-    CRC_IMPL = "zlib"
-
-crc32 = _impl.crc32
-
+DIGEST_BYTES = 32
+DIGEST_IMPL = "SHA-256"
 PARALLEL_BYTES = 8 << 20          # below this a thread hand-off costs more than it saves
-_CHUNK_BYTES = 4 << 20            # unit of work on the pool
-_SLICE_BYTES = 256 << 10          # copy-then-CRC granule that stays in L2
+CHUNK_BYTES = 4 << 20             # leaf size of the hash tree (part of the format)
+_SLICE_BYTES = 256 << 10          # copy-then-hash granule that stays in L2
 THREADS = max(1, min(4, os.cpu_count() or 1))
-
-_POLY = 0xEDB88320                # CRC-32 polynomial, bit-reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC polynomial (reflected bit order)."""
-    if a == 0:
-        return 0
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]                  # x^(2^k) mod p(x) for k = 0..31
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def _x2nmodp(n: int, k: int) -> int:
-    """x^(n * 2^k) modulo p(x)."""
-    p = 1 << 31                   # x^0
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2
-
+_TREE = b"h2-tree"
 
 _pool: ThreadPoolExecutor | None = None
 
@@ -79,39 +45,46 @@ _pool: ThreadPoolExecutor | None = None
 def _threads() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="dicomm-crc")
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="dicomm-digest")
     return _pool
 
 
-def _combine(parts: list[tuple[int, int]]) -> int:
-    crc = 0
-    for part_crc, length in parts:
-        crc = crc32_combine(crc, part_crc, length)
-    return crc
+def _spans(n: int) -> list[tuple[int, int]]:
+    return [(i, min(i + CHUNK_BYTES, n)) for i in range(0, n, CHUNK_BYTES)]
 
 
-def checksum(buf) -> int:
-    """CRC-32 of a contiguous buffer."""
+def _root(n: int, leaves) -> bytes:
+    h = hashlib.sha256(_TREE + n.to_bytes(8, "little"))
+    for leaf in leaves:
+        h.update(leaf)
+    return h.digest()
+
+
+def _map(fn, spans):
+    return _threads().map(fn, spans) if THREADS > 1 else map(fn, spans)
+
+
+def digest(buf) -> bytes:
+    """The payload digest of a contiguous buffer (see the module docstring)."""
     mv = memoryview(buf).cast("B")
-    if mv.nbytes < PARALLEL_BYTES or THREADS == 1:
-        return crc32(mv)
-    spans = [(i, min(i + _CHUNK_BYTES, mv.nbytes)) for i in range(0, mv.nbytes, _CHUNK_BYTES)]
-    return _combine(list(_threads().map(lambda s: (crc32(mv[s[0]:s[1]]), s[1] - s[0]), spans)))
+    if mv.nbytes < PARALLEL_BYTES:
+        return hashlib.sha256(mv).digest()
+    return _root(mv.nbytes, _map(lambda s: hashlib.sha256(mv[s[0]:s[1]]).digest(),
+                                 _spans(mv.nbytes)))
 
 
-def copy_with_checksum(dst: np.ndarray, src) -> int:
-    """Copy the bytes of `src` into the uint8 array `dst` (same length); return their CRC-32."""
+def copy_with_digest(dst: np.ndarray, src) -> bytes:
+    """Copy the bytes of `src` into the uint8 array `dst` (same length); return their digest."""
     s = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
 
-    def run(span: tuple[int, int]) -> tuple[int, int]:
-        crc = 0
+    def run(span: tuple[int, int]) -> bytes:
+        h = hashlib.sha256()
         for i in range(span[0], span[1], _SLICE_BYTES):
             j = min(i + _SLICE_BYTES, span[1])
             dst[i:j] = s[i:j]
-            crc = crc32(dst[i:j], crc)
-        return crc, span[1] - span[0]
+            h.update(dst[i:j])
+        return h.digest()
 
-    if s.size < PARALLEL_BYTES or THREADS == 1:
-        return run((0, s.size))[0]
-    spans = [(i, min(i + _CHUNK_BYTES, s.size)) for i in range(0, s.size, _CHUNK_BYTES)]
-    return _combine(list(_threads().map(run, spans)))
+    if s.size < PARALLEL_BYTES:
+        return run((0, s.size))
+    return _root(s.size, _map(run, _spans(s.size)))

@@ -29,7 +29,7 @@ from executor.dicomm.link import Frame, PeerFinished, StreamReceiver, StreamSend
 from executor.dicomm.rendezvous import Rendezvous
 from executor.dicomm.tcp import SocketStream, dial_tcp, dial_unix, listen_tcp, listen_unix, tune
 
-TRANSPORTS = ("tcp", "shm", "rdma")
+TRANSPORTS = handshake.TRANSPORTS
 DEFAULT_TIMEOUT = 10.0
 # Which transports a link may use, best first, when the requested one is unusable for a peer.
 _FALLBACK_ORDER = {"rdma": ("rdma", "shm", "tcp"), "shm": ("shm", "tcp"), "tcp": ("tcp",)}
@@ -62,7 +62,7 @@ def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_por
                         hint="the launcher creates one with dicomm.new_secret() and gives it to "
                              "every worker")
     chosen, reason = _usable_transport(transport, fallback)
-    rendezvous = Rendezvous(store_host, store_port, timeout, namespace, store)
+    rendezvous = Rendezvous(store_host, store_port, timeout, namespace, store, secret=key)
     return Comm(rank, world_size, rendezvous, key, requested=transport, transport=chosen,
                 fallback=fallback, fallback_reason=reason, timeout=timeout, host=host,
                 shm_max_bytes=shm_max_bytes)
@@ -114,6 +114,7 @@ class Comm:
         self._failed: dict[int, CommError] = {}
         self._incoming: dict[int, StreamReceiver] = {}
         self._outgoing: dict[int, StreamSender] = {}
+        self._why: dict[int, str] = {}         # peer -> why its link is not self.requested
         self._held: dict[int, list[Frame]] = defaultdict(list)
         self._coll_seq: dict[tuple, int] = defaultdict(int)
         self._closed = False
@@ -159,7 +160,8 @@ class Comm:
 
     def recv(self, src: int, kind: str = "act", mb: int = 0, *, view: bool = False,
              timeout: float | None = None) -> np.ndarray:
-        """The tensor `src` sent with tag (kind, mb). Its header was checked (CRC, dtype, shape).
+        """The tensor `src` sent with tag (kind, mb). Its tag, payload digest, dtype and shape were
+        checked.
 
         view=True may return a read-only view into the sender's shm segment instead of a copy;
         it stays valid until the next recv from `src` or `release()`."""
@@ -190,6 +192,19 @@ class Comm:
         """Transport of the open link to `peer` (from this rank's sends), None if none is open."""
         link = self._outgoing.get(peer)
         return link.transport if link else None
+
+    def links(self) -> list[dict]:
+        """The links this rank opened (one per peer it sent to), as the transports that actually
+        carry them: [{"dst", "transport", "fallback"}], fallback = why the link does not use the
+        requested transport (None when it does)."""
+        out = []
+        for dst, link in sorted(self._outgoing.items()):
+            why = None
+            if link.transport != self.requested:
+                why = self._why.get(dst) or self.fallback_reason or \
+                    f"{self.requested} unusable for rank {dst}"
+            out.append({"dst": dst, "transport": link.transport, "fallback": why})
+        return out
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, arrays: list[np.ndarray], group: list[int], op: str = "avg") -> None:
@@ -380,8 +395,10 @@ class Comm:
                     raise e if isinstance(e, CommError) else CommError(
                         f"rank {self.rank}: cannot connect to rank {dst} over {transport}: "
                         f"{e}", dst) from None
+                why = e.message if isinstance(e, CommError) else (e.strerror or str(e))
+                self._why[dst] = f"{transport} link failed: {why}"
                 log.warning("dicomm rank %d: %s link to rank %d failed (%s); falling back",
-                            self.rank, transport, dst, e)
+                            self.rank, transport, dst, why)
         self._outgoing[dst] = link
         return link
 
@@ -403,6 +420,13 @@ class Comm:
             raise CommError(f"rank {self.rank}: rank {dst}'s endpoint record offers no transport "
                             f"this rank can use ({', '.join(theirs)})", dst)
         if usable[0] != self.transport:
+            t = self.transport
+            if t not in theirs:
+                self._why[dst] = f"rank {dst} does not offer {t}"
+            elif t == "shm" and t in self._local:
+                self._why[dst] = "peer on another host"
+            else:
+                self._why[dst] = f"{t} unusable on rank {self.rank}"
             log.warning("dicomm rank %d: link to rank %d uses %s instead of %s", self.rank, dst,
                         usable[0], self.transport)
         return usable
@@ -430,15 +454,16 @@ class Comm:
         try:
             if transport == "rdma":
                 return self._open_rdma(dst, stream)
-            self._handshake(stream, dst, transport)
+            keys = self._handshake(stream, dst, transport).keys
         except BaseException:
             stream.close()
             raise
         if transport == "shm":
-            return shm.ShmSender(stream, self.rank, dst, self.timeout, self._shm_max_bytes)
-        return StreamSender(stream, self.rank, dst)
+            return shm.ShmSender(stream, self.rank, dst, keys, self.timeout, self._shm_max_bytes)
+        return StreamSender(stream, self.rank, dst, keys)
 
-    def _handshake(self, stream: SocketStream, dst: int, transport: str, setup: bytes = b"") -> bytes:
+    def _handshake(self, stream: SocketStream, dst: int, transport: str,
+                   setup: bytes = b"") -> handshake.Connected:
         try:
             return handshake.connect(stream, self.rank, dst, self._secret, transport, setup)
         except handshake.StaleEndpoint:
@@ -453,17 +478,18 @@ class Comm:
         qp = rdma.QueuePair()
         try:
             packed = self._rdv.publish(f"link/{self.rank}-{dst}/src", qp.local)
-            theirs = self._handshake(stream, dst, "rdma", handshake.setup_digest(packed))
+            connected = self._handshake(stream, dst, "rdma", handshake.setup_digest(packed))
             raw = self._rdv.lookup_raw(f"link/{self.rank}-{dst}/dst",
                                        f"rank {dst}'s RDMA queue-pair record")
-            if handshake.setup_digest(raw) != theirs:
+            if handshake.setup_digest(raw) != connected.setup:
                 raise _Refused(f"rank {dst}'s RDMA queue-pair record in the store does not match "
                                f"its handshake (tampered store?)", dst)
             qp.connect(msgpack.unpackb(raw, raw=False))
         except BaseException:
             qp.close()
             raise
-        return rdma.RdmaSender(rdma.VerbsStream(qp, stream, dst, self.timeout), self.rank, dst)
+        return rdma.RdmaSender(rdma.VerbsStream(qp, stream, dst, self.timeout), self.rank, dst,
+                               connected.keys)
 
     # -- accepting links ----------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
@@ -508,9 +534,10 @@ class Comm:
                 self._rdv.publish(f"link/{src}-{self.rank}/dst", qp.local))
 
         try:
-            accepted = handshake.accept(stream, self.rank, self._secret, prepare)
-        except (CommError, OSError) as e:
-            reason = e.message if isinstance(e, CommError) else f"handshake failed: {e}"
+            accepted = handshake.accept(stream, self.rank, self._secret, prepare, self.world_size)
+        except Exception as e:  # a hostile peer must never take the listener down with it
+            reason = e.message if isinstance(e, CommError) else \
+                f"handshake failed: {type(e).__name__}: {e}"
             if not self._closed:
                 self.rejected.append(f"{where}: {reason}")
                 log.warning("dicomm rank %d: rejected connection from %s: %s", self.rank, where,
@@ -523,7 +550,7 @@ class Comm:
         stream.peer = accepted.src
         kinds = {"tcp": StreamReceiver, "shm": shm.ShmReceiver, "rdma": rdma.RdmaReceiver}
         receiver = kinds[accepted.transport](built.get("stream", stream), accepted.src, self.rank,
-                                             self._deliver, self._link_failed)
+                                             self._deliver, self._link_failed, accepted.keys)
         with self._cv:
             if self._closed:
                 receiver.close()
@@ -535,3 +562,17 @@ class Comm:
 
 class _Refused(CommError):
     """The peer answered but refused the link: falling back to another transport won't help."""
+
+
+def describe_links(links: list[dict], name: str = "w{}") -> str:
+    """One line for the run's log from every rank's `Comm.links()` (each entry with its "src"
+    added): "links: 6 shm" or "links: 4 shm, 2 tcp (w0->w1: peer on another host; ...)"."""
+    if not links:
+        return "links: none opened"
+    counts: dict[str, int] = {}
+    for link in links:
+        counts[link["transport"]] = counts.get(link["transport"], 0) + 1
+    line = "links: " + ", ".join(f"{n} {t}" for t, n in counts.items())
+    why = [f"{name.format(link['src'])}->{name.format(link['dst'])}: {link['fallback']}"
+           for link in sorted(links, key=lambda l: (l["src"], l["dst"])) if link.get("fallback")]
+    return line + (f" ({'; '.join(why)})" if why else "")

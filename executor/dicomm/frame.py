@@ -4,10 +4,11 @@ Every message on a DiComm link starts with an 8-byte prefix, then a msgpack map,
 frames) the payload:
 
     offset 0  b"h2"            magic: a desynchronised or foreign stream fails here, not later
-    offset 2  u8 version       FORMAT_VERSION (1)
+    offset 2  u8 version       FORMAT_VERSION (2)
     offset 3  u8 type          b"F" tensor frame, b"C" control message (handshake, shm bookkeeping)
     offset 4  u32 LE length    length of the msgpack map that follows (at most MAX_HEADER_BYTES)
     offset 8  msgpack map      for b"F": the `Header` fields below
+    (on a link: 32-byte tag    HMAC over the message number, prefix and map: seal.py)
     then      nbytes bytes     the payload, C order, little-endian, unless the header says `at`
                                (then the payload lies in a shared-memory segment, see shm.py)
 
@@ -15,8 +16,9 @@ The payload is never copied into the header buffer: senders pass [prefix+header,
 to one gathered write (socket.sendmsg), receivers read the payload straight into its final numpy
 buffer (recv_into).
 
-Checksum: CRC-32 (the zlib polynomial) over the payload bytes; see checksum.py for how it is
-computed fast.
+Digest: SHA-256 of the payload bytes (a hash tree for large payloads), in the header; see
+checksum.py. On a link the header is authenticated, so the digest is what makes the payload
+tamper-evident; in memory (`decode_frame`) it catches accidents.
 
 dtypes are h2ir names. numpy has no bfloat16, so a bf16 tensor travels as a uint16 view whose bits
 are the bf16 bits; `to_bf16`/`from_bf16` convert from/to float32. Since h2ir has no u16 dtype, a
@@ -31,11 +33,11 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from executor.dicomm.checksum import checksum
+from executor.dicomm.checksum import DIGEST_BYTES, digest as payload_digest
 from executor.dicomm.errors import CommError
 from h2ir.types import host_dtype
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # 2: SHA-256 payload digest instead of CRC-32, tagged link messages
 MAGIC = b"h2"
 FRAME = b"F"
 CONTROL = b"C"
@@ -96,13 +98,13 @@ class Header:
     shape: tuple[int, ...]
     nbytes: int
     seq: int
-    crc: int
+    digest: bytes       # payload digest (checksum.py)
     src: int
     at: tuple[int, int] | None = None   # (segment id, byte offset) in the sender's shm segment
 
     def to_map(self) -> dict:
         m = {"kind": self.kind, "stage": self.stage, "mb": self.mb, "dtype": self.dtype,
-             "shape": list(self.shape), "nbytes": self.nbytes, "seq": self.seq, "crc": self.crc,
+             "shape": list(self.shape), "nbytes": self.nbytes, "seq": self.seq, "digest": self.digest,
              "src": self.src}
         if self.at is not None:
             m["at"] = list(self.at)
@@ -124,9 +126,9 @@ def payload_bytes(array: np.ndarray) -> memoryview:
 
 
 def make_header(array: np.ndarray, *, kind: str, stage: int, mb: int, seq: int, src: int,
-                dtype: str | None = None, crc: int | None = None,
+                dtype: str | None = None, digest: bytes | None = None,
                 at: tuple[int, int] | None = None) -> Header:
-    """Header for a C-contiguous array; computes the CRC unless the caller already has it."""
+    """Header for a C-contiguous array; computes the payload digest unless the caller has it."""
     name = dtype if dtype is not None else dtype_name(array.dtype)
     if name not in DTYPES:
         raise CommError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
@@ -138,7 +140,8 @@ def make_header(array: np.ndarray, *, kind: str, stage: int, mb: int, seq: int, 
                         f"characters, got {kind!r}")
     return Header(kind=kind, stage=int(stage), mb=int(mb), dtype=name,
                   shape=tuple(int(s) for s in array.shape), nbytes=int(array.nbytes),
-                  seq=int(seq), crc=checksum(payload_bytes(array)) if crc is None else int(crc),
+                  seq=int(seq),
+                  digest=payload_digest(payload_bytes(array)) if digest is None else bytes(digest),
                   src=int(src), at=at)
 
 
@@ -158,8 +161,10 @@ def encode_frame(array: np.ndarray, *, kind: str, stage: int = 0, mb: int = 0, s
     return [encode_message(header.to_map()), payload_bytes(a)]
 
 
-def parse_prefix(prefix: bytes, peer: int | None = None) -> tuple[bytes, int]:
-    """(message type, header length) from the 8 prefix bytes."""
+def parse_prefix(prefix: bytes, peer: int | None = None,
+                 max_length: int = MAX_HEADER_BYTES) -> tuple[bytes, int]:
+    """(message type, header length) from the 8 prefix bytes; a length over `max_length` is
+    refused before anything is allocated for it."""
     if len(prefix) != PREFIX_BYTES:
         raise CommError(f"truncated frame from {_who(peer)}: got {len(prefix)} of "
                         f"{PREFIX_BYTES} prefix bytes", peer)
@@ -173,9 +178,9 @@ def parse_prefix(prefix: bytes, peer: int | None = None) -> tuple[bytes, int]:
     if msg_type not in (FRAME, CONTROL):
         raise CommError(f"corrupt frame from {_who(peer)}: message type {msg_type!r}, "
                         f"expected b'F' or b'C'", peer)
-    if length > MAX_HEADER_BYTES:
+    if length > max_length:
         raise CommError(f"corrupt frame from {_who(peer)}: header length {length} exceeds "
-                        f"{MAX_HEADER_BYTES}", peer)
+                        f"{max_length}", peer)
     return msg_type, length
 
 
@@ -191,7 +196,7 @@ def decode_body(body: bytes, peer: int | None = None) -> dict:
 
 
 _FIELDS = (("kind", str), ("stage", int), ("mb", int), ("dtype", str), ("shape", list),
-           ("nbytes", int), ("seq", int), ("crc", int), ("src", int))
+           ("nbytes", int), ("seq", int), ("digest", bytes), ("src", int))
 
 
 def decode_header(body: bytes, peer: int | None = None) -> Header:
@@ -201,11 +206,14 @@ def decode_header(body: bytes, peer: int | None = None) -> Header:
         if type(m.get(key)) is not typ:
             raise CommError(f"corrupt frame header from {_who(peer)}: field {key!r} should be "
                             f"{typ.__name__}, got {m.get(key)!r}", peer)
+    if len(m["digest"]) != DIGEST_BYTES:
+        raise CommError(f"corrupt frame header from {_who(peer)}: digest has "
+                        f"{len(m['digest'])} bytes, expected {DIGEST_BYTES}", peer)
     dt = DTYPES.get(m["dtype"])
     if dt is None:
         raise CommError(f"frame from {_who(peer)} has unknown dtype {m['dtype']!r}", peer)
     shape = m["shape"]
-    if not all(type(s) is int and s >= 0 for s in shape):
+    if len(shape) > 64 or not all(type(s) is int and 0 <= s <= MAX_PAYLOAD_BYTES for s in shape):
         raise CommError(f"corrupt frame header from {_who(peer)}: bad shape {shape!r}", peer)
     expected = math.prod(shape) * dt.itemsize
     if m["nbytes"] != expected or expected > MAX_PAYLOAD_BYTES:
@@ -216,19 +224,18 @@ def decode_header(body: bytes, peer: int | None = None) -> Header:
                                and all(type(v) is int and v >= 0 for v in at)):
         raise CommError(f"corrupt frame header from {_who(peer)}: bad placement {at!r}", peer)
     return Header(m["kind"], m["stage"], m["mb"], m["dtype"], tuple(shape), m["nbytes"],
-                  m["seq"], m["crc"], m["src"], tuple(at) if at is not None else None)
+                  m["seq"], m["digest"], m["src"], tuple(at) if at is not None else None)
 
 
 def payload_array(header: Header, payload, peer: int | None = None) -> np.ndarray:
-    """The tensor a header describes, viewing `payload` (no copy) after length and CRC checks."""
+    """The tensor a header describes, viewing `payload` (no copy) after length and digest checks."""
     got = memoryview(payload).nbytes
     if got != header.nbytes:
         raise CommError(f"truncated frame from {_who(peer)}: {header.kind} mb {header.mb} "
                         f"carries {got} of {header.nbytes} payload bytes", peer)
-    actual = checksum(payload)
-    if actual != header.crc:
+    if payload_digest(payload) != header.digest:
         raise CommError(f"corrupt frame from {_who(peer)}: {header.kind} mb {header.mb} payload "
-                        f"CRC-32 is {actual:#010x}, header says {header.crc:#010x}", peer)
+                        f"does not match the SHA-256 digest in its header", peer)
     dt = DTYPES[header.dtype]
     flat = np.frombuffer(payload, dtype=dt, count=header.nbytes // dt.itemsize) \
         if header.nbytes else np.empty(0, dtype=dt)

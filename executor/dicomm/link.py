@@ -8,6 +8,10 @@ cannot deadlock.
 
 `StreamSender`/`StreamReceiver` move frames over any byte stream with send_parts/recv_into (a
 socket for tcp, an RC queue pair for rdma). shm.py extends them to place payloads in shared memory.
+
+Every message on a link carries a tag under the connection's keys (seal.py): the receiver reads
+prefix, map and tag, checks the tag, and only then decodes the map or allocates its payload; the
+payload is then checked against the digest the authenticated map carries.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ from typing import Callable
 import numpy as np
 
 from executor.dicomm.errors import CommError
-from executor.dicomm.frame import (CONTROL, PREFIX_BYTES, Header, contiguous, decode_body,
+from executor.dicomm.frame import (CONTROL, FRAME, PREFIX_BYTES, Header, contiguous, decode_body,
                                    decode_header, encode_message, make_header, parse_prefix,
                                    payload_array, payload_bytes)
+from executor.dicomm.seal import TAG_BYTES, Opener, Sealer
 from executor.dicomm.tcp import PeerClosed
 
 
@@ -36,18 +41,24 @@ class Frame:
 class StreamSender:
     transport = "tcp"
 
-    def __init__(self, stream, src: int, dst: int):
+    def __init__(self, stream, src: int, dst: int, keys):
         self.stream = stream
         self.src = src
         self.dst = dst
         self.seq = 0
+        self._sealer = Sealer(keys.forward)
+
+    def sealed(self, body: dict, msg_type: bytes = FRAME) -> list:
+        """[prefix+map, tag]: one message with its tag (the next message number)."""
+        head = encode_message(body, msg_type)
+        return [head, self._sealer.tag(head)]
 
     def send(self, array: np.ndarray, *, kind: str, stage: int, mb: int,
              dtype: str | None = None) -> None:
         a = contiguous(array)
         header = make_header(a, kind=kind, stage=stage, mb=mb, seq=self.seq, src=self.src,
                              dtype=dtype)
-        self._write(header, [encode_message(header.to_map()), payload_bytes(a)])
+        self._write(header, self.sealed(header.to_map()) + [payload_bytes(a)])
 
     def _write(self, header: Header, parts, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -64,7 +75,7 @@ class StreamSender:
 
     def close(self) -> None:
         try:  # tell the receiver this is a clean end, not a crash
-            self.stream.send_parts([encode_message({"op": "bye"}, CONTROL)])
+            self.stream.send_parts(self.sealed({"op": "bye"}, CONTROL))
         except (OSError, CommError):
             pass
         self.stream.close()
@@ -82,8 +93,10 @@ class StreamReceiver:
     transport = "tcp"
 
     def __init__(self, stream, src: int, dst: int, deliver: Callable[[Frame], None],
-                 fail: Callable[[int, CommError], None]):
+                 fail: Callable[[int, CommError], None], keys):
         self.stream = stream
+        self._opener = Opener(keys.forward, src, f"{src}->{dst}")
+        self._reverse = Sealer(keys.reverse)   # for messages back to the sender (shm releases)
         self.src = src
         self.dst = dst
         self._deliver = deliver
@@ -120,6 +133,8 @@ class StreamReceiver:
                                 f"inside a frame prefix", self.src) from None
             msg_type, length = parse_prefix(bytes(prefix), self.src)
             body = self._read_exact(length, "frame header")
+            tag = self._read_exact(TAG_BYTES, "tag")
+            self._opener.check(bytes(prefix) + body, tag)
             if msg_type == CONTROL:
                 control = decode_body(body, self.src)
                 if control.get("op") == "bye":

@@ -6,15 +6,19 @@ pool of shared segments owned by the sender:
   * small payloads (<= INLINE_BYTES) travel inline on the socket, exactly as on tcp: for them a
     syscall costs less than segment bookkeeping;
   * a larger payload is copied once into a free segment; the frame header (with `at`: segment,
-    offset, and the CRC of the bytes in the segment) follows on the socket. The receiver checks
-    the CRC on the segment bytes and hands out either a copy (default) or a read-only numpy view
+    offset, and the SHA-256 digest of the bytes in the segment) follows on the socket, tagged
+    like every message (seal.py). The receiver checks the digest on the segment bytes and hands
+    out either a copy (default) or a read-only numpy view
     straight into the segment (`recv(..., view=True)`, what the bandwidth figure measures);
   * when the receiver is done with a segment it sends {"op": "release"} back on the same socket
     and the sender may reuse it.
 
 Segments are memfd_create() files whose descriptors pass over the socket (SCM_RIGHTS): nothing is
 named in /dev/shm, no other process can open them, and the kernel frees them when both ends are
-gone, even after a crash. The socket write that carries a header happens after the payload copy,
+gone, even after a crash. (A process of the same user can still reach a segment through
+/proc/<pid>/fd or ptrace; the digest check catches a write made before the receiver reads, not
+one made while a view handed out by recv(view=True) is in use. See docs/dicomm.md, threat model.)
+The socket write that carries a header happens after the payload copy,
 and the receiver reads the header before touching the payload, so the syscall pair orders the
 memory accesses on every architecture.
 """
@@ -28,12 +32,12 @@ import time
 
 import numpy as np
 
-from executor.dicomm.checksum import copy_with_checksum
+from executor.dicomm.checksum import copy_with_digest
 from executor.dicomm.errors import CommError
 from executor.dicomm.frame import (CONTROL, PREFIX_BYTES, Header, contiguous, decode_body,
-                                   encode_message, make_header, parse_prefix, payload_array,
-                                   payload_bytes)
+                                   encode_message, make_header, parse_prefix, payload_array, payload_bytes)
 from executor.dicomm.link import Frame, StreamReceiver, StreamSender
+from executor.dicomm.seal import TAG_BYTES, Opener
 
 INLINE_BYTES = 64 * 1024
 MIN_SEGMENT_BYTES = 1 << 20
@@ -88,9 +92,10 @@ class _Segment:
 class ShmSender(StreamSender):
     transport = "shm"
 
-    def __init__(self, stream, src: int, dst: int, timeout: float,
+    def __init__(self, stream, src: int, dst: int, keys, timeout: float,
                  max_bytes: int = DEFAULT_MAX_BYTES):
-        super().__init__(stream, src, dst)
+        super().__init__(stream, src, dst, keys)
+        self._releases = Opener(keys.reverse, dst, f"{dst}->{src} (shm releases)")
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.segments: dict[int, _Segment] = {}
@@ -102,13 +107,13 @@ class ShmSender(StreamSender):
         if a.nbytes <= INLINE_BYTES:
             return super().send(a, kind=kind, stage=stage, mb=mb, dtype=dtype)
         seg, fds = self._acquire(a.nbytes, kind, mb)
-        crc = copy_with_checksum(seg.bytes[:a.nbytes], payload_bytes(a))
+        digest = copy_with_digest(seg.bytes[:a.nbytes], payload_bytes(a))
         header = make_header(a, kind=kind, stage=stage, mb=mb, seq=self.seq, src=self.src,
-                             dtype=dtype, crc=crc, at=(seg.id, 0))
-        parts = [encode_message(header.to_map())]
+                             dtype=dtype, digest=digest, at=(seg.id, 0))
+        parts = []
         if fds:  # first use of the segment: map it on the receiver before the frame
-            parts.insert(0, encode_message({"op": "map", "seg": seg.id, "size": seg.size},
-                                           CONTROL))
+            parts += self.sealed({"op": "map", "seg": seg.id, "size": seg.size}, CONTROL)
+        parts += self.sealed(header.to_map())
         seg.busy = True
         try:
             self._write(header, parts, fds)
@@ -148,7 +153,7 @@ class ShmSender(StreamSender):
 
     def _drop_idle(self, keep_size: int) -> None:
         for seg in [s for s in self.segments.values() if not s.busy and s.size != keep_size]:
-            self.stream.send_parts([encode_message({"op": "drop", "seg": seg.id}, CONTROL)])
+            self.stream.send_parts(self.sealed({"op": "drop", "seg": seg.id}, CONTROL))
             del self.segments[seg.id]
             seg.close()
 
@@ -161,9 +166,11 @@ class ShmSender(StreamSender):
                 return
             wait = 0.0
             try:
-                msg_type, length = parse_prefix(bytes(self.stream.recv_exact(PREFIX_BYTES)),
-                                                self.dst)
-                body = decode_body(self.stream.recv_exact(length), self.dst)
+                prefix = bytes(self.stream.recv_exact(PREFIX_BYTES))
+                msg_type, length = parse_prefix(prefix, self.dst)
+                head = prefix + bytes(self.stream.recv_exact(length))
+                self._releases.check(head, self.stream.recv_exact(TAG_BYTES))
+                body = decode_body(head[PREFIX_BYTES:], self.dst)
             except CommError as e:
                 raise CommError(f"rank {self.src}: link to rank {self.dst} broke: {e.message}",
                                 self.dst) from None
@@ -233,10 +240,13 @@ class ShmReceiver(StreamReceiver):
     def _send_release(self, seg_id: int) -> None:
         with self._release_lock:
             try:
-                self.stream.send_parts([encode_message({"op": "release", "seg": seg_id},
-                                                       CONTROL)])
+                self.stream.send_parts(self.sealed_back({"op": "release", "seg": seg_id}))
             except OSError:
                 pass  # the sender is gone; the reader thread reports that
+
+    def sealed_back(self, body: dict) -> list:
+        head = encode_message(body, CONTROL)
+        return [head, self._reverse.tag(head)]
 
     def close(self) -> None:
         super().close()
