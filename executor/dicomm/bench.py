@@ -202,8 +202,8 @@ def format_table(result: dict) -> str:
     names = list(result["transports"])
     lines = [f"h2x bench-comm: 2 processes on this host ({result['cpus']} CPUs, 1-min load average "
              f"{result['load_average_before']:.1f} before, {result['load_average_after']:.1f} "
-             f"after), loopback; every message HMAC-SHA256-tagged, payload "
-             f"{result['digest']} digest",
+             f"after), loopback; every message HMAC-SHA256-tagged, inline payloads "
+             f"{result['digest']}-digested (shm segments are not)",
              "latency = median half round trip (us); bandwidth = best of 3 one-way streams "
              "(GiB/s); % = bandwidth / memcpy"]
     head = f"{'size':>8} {'memcpy':>8} |"

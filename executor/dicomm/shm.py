@@ -6,9 +6,8 @@ pool of shared segments owned by the sender:
   * small payloads (<= INLINE_BYTES) travel inline on the socket, exactly as on tcp: for them a
     syscall costs less than segment bookkeeping;
   * a larger payload is copied once into a free segment; the frame header (with `at`: segment,
-    offset, and the SHA-256 digest of the bytes in the segment) follows on the socket, tagged
-    like every message (seal.py). The receiver checks the digest on the segment bytes and hands
-    out either a copy (default) or a read-only numpy view
+    offset and size) follows on the socket, tagged like every message (seal.py), and the receiver
+    hands out either a copy (default) or a read-only numpy view
     straight into the segment (`recv(..., view=True)`, what the bandwidth figure measures);
   * when the receiver is done with a segment it sends {"op": "release"} back on the same socket
     and the sender may reuse it.
@@ -16,8 +15,9 @@ pool of shared segments owned by the sender:
 Segments are memfd_create() files whose descriptors pass over the socket (SCM_RIGHTS): nothing is
 named in /dev/shm, no other process can open them, and the kernel frees them when both ends are
 gone, even after a crash. (A process of the same user can still reach a segment through
-/proc/<pid>/fd or ptrace; the digest check catches a write made before the receiver reads, not
-one made while a view handed out by recv(view=True) is in use. See docs/dicomm.md, threat model.)
+/proc/<pid>/fd or ptrace -- and so could rewrite the payload after any check -- so segment
+payloads carry no digest: hashing them would halve shm bandwidth and defend against no one the
+threat model covers. See docs/dicomm.md, threat model.)
 The socket write that carries a header happens after the payload copy,
 and the receiver reads the header before touching the payload, so the syscall pair orders the
 memory accesses on every architecture.
@@ -32,7 +32,6 @@ import time
 
 import numpy as np
 
-from executor.dicomm.checksum import copy_with_digest
 from executor.dicomm.errors import CommError
 from executor.dicomm.frame import (CONTROL, PREFIX_BYTES, Header, contiguous, decode_body,
                                    encode_message, make_header, parse_prefix, payload_array, payload_bytes)
@@ -107,9 +106,11 @@ class ShmSender(StreamSender):
         if a.nbytes <= INLINE_BYTES:
             return super().send(a, kind=kind, stage=stage, mb=mb, dtype=dtype)
         seg, fds = self._acquire(a.nbytes, kind, mb)
-        digest = copy_with_digest(seg.bytes[:a.nbytes], payload_bytes(a))
+        # No payload digest: the tagged header binds segment, offset and size, and the segment
+        # itself is out of reach of everyone the threat model defends against (module doc).
+        np.copyto(seg.bytes[:a.nbytes], np.frombuffer(payload_bytes(a), dtype=np.uint8))
         header = make_header(a, kind=kind, stage=stage, mb=mb, seq=self.seq, src=self.src,
-                             dtype=dtype, digest=digest, at=(seg.id, 0))
+                             dtype=dtype, digest=b"", at=(seg.id, 0))
         parts = []
         if fds:  # first use of the segment: map it on the receiver before the frame
             parts += self.sealed({"op": "map", "seg": seg.id, "size": seg.size}, CONTROL)
