@@ -3,13 +3,25 @@
     ckpt/step_00000010/w0.safetensors    param.<name>, exp_avg.<name>, exp_avg_sq.<name> (no
                                          optimizer state for a tied parameter's copy)
     ckpt/step_00000010/w0.msgpack        {step, data_position, opt_steps, rng}
-    ckpt/step_00000010/COMPLETE          written by h2x once every worker's files are in place
+    ckpt/step_00000010/COMPLETE          JSON, written by h2x once every worker's files are durable:
+                                         {format, step, build, files: {name: {sha256, size}}}
 
-Each file is written to a temporary name and renamed (atomic on POSIX), so a crash leaves either
-the old file or the new one, never half of one; a step directory without COMPLETE is ignored.
+What is guaranteed:
+- A worker removes the step directory's COMPLETE (and syncs the directory) before it writes any
+  file there, so a run that stops while rewriting a step leaves a directory without COMPLETE,
+  which resume skips — never a mix of two runs' files under an old COMPLETE.
+- Each file is written to `NAME.tmp`, fsynced, renamed, and the directory fsynced; the worker
+  reports the file's sha256 and size, and the launcher writes COMPLETE (the same way) only after
+  every worker reported. A `.tmp` left by a killed writer is removed by the next run.
+- COMPLETE records the fingerprint of the build it belongs to (`build_fingerprint`): resuming a
+  checkpoint of another build is an error, not a silent load of mismatched state.
+- Resume checks every file against its recorded size and sha256; a missing, truncated or changed
+  file is named, and the previous complete checkpoint is tried.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -18,23 +30,82 @@ import numpy as np
 
 from h2ir.errors import H2Error
 
+FORMAT = "h2-ckpt/1"
+MARKER = "COMPLETE"
+_CHUNK = 1 << 20
+
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def _atomic_write(path: Path, write):
+def worker_files(wid: int) -> tuple[str, str]:
+    return f"w{wid}.safetensors", f"w{wid}.msgpack"
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(f) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        n += len(chunk)
+    return h.hexdigest(), n
+
+
+def file_digest(path: Path) -> dict:
+    with open(path, "rb") as f:
+        sha, size = _digest(f)
+    return {"sha256": sha, "size": size}
+
+
+def _durable_write(path: Path, write) -> dict:
+    """write(tmp) a whole file, fsync it, rename it over `path`, fsync the directory; returns the
+    file's {sha256, size} (read back from what was written). No `.tmp` stays behind on an error."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            sha, size = _digest(f)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if isinstance(e, Exception):     # OSError, or safetensors' own error type
+            raise H2Error(f"cannot write checkpoint file: {e}", str(path)) from None
+        raise
+    return {"sha256": sha, "size": size}
 
 
-def save_worker_checkpoint(root: Path, step: int, worker) -> None:
+def invalidate(d: Path) -> None:
+    """Make `d` not a complete checkpoint, durably, before anything in it is rewritten."""
+    try:
+        (d / MARKER).unlink()
+    except FileNotFoundError:
+        return
+    _fsync_dir(d)
+
+
+def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
+    """Write this worker's files of checkpoint `step`; returns {file name: {sha256, size}} for the
+    launcher's COMPLETE record."""
     from safetensors.numpy import save_file
+    root = Path(root)
     d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
+    if not d.is_dir():
+        d.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(root)
+    invalidate(d)
     be = worker.be
     tensors = {}
     for k in worker.param_names:
@@ -42,21 +113,28 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> None:
     for k in worker.opt_names:       # a tied parameter's copy has no optimizer state of its own
         tensors[f"exp_avg.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg[k]))
         tensors[f"exp_avg_sq.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg_sq[k]))
-    _atomic_write(d / f"w{worker.wid}.safetensors", lambda p: save_file(tensors, str(p)))
+    st_name, mp_name = worker_files(worker.wid)
+    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)))}
     # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position.
     meta = {"step": step, "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
             "worker": worker.wid, "stage": worker.stage_idx}
-    _atomic_write(d / f"w{worker.wid}.msgpack", lambda p: p.write_bytes(msgpack.packb(meta)))
+    files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
+    return files
 
 
 def load_worker_checkpoint(d: Path, worker) -> None:
     from safetensors.numpy import load_file
-    f = d / f"w{worker.wid}.safetensors"
+    st_name, mp_name = worker_files(worker.wid)
+    f, mf = d / st_name, d / mp_name
     try:
         tensors = load_file(str(f))
-        meta = msgpack.unpackb((d / f"w{worker.wid}.msgpack").read_bytes())
-    except (OSError, ValueError, msgpack.ExtraData) as e:
-        raise H2Error(f"cannot read checkpoint: {e}", str(f)) from None
+    except Exception as e:          # safetensors raises its own error type for a bad header
+        raise H2Error(f"cannot read checkpoint file: {e}", str(f)) from None
+    try:
+        meta = msgpack.unpackb(mf.read_bytes())
+        opt_steps = int(meta["opt_steps"])
+    except Exception as e:
+        raise H2Error(f"cannot read checkpoint metadata: {type(e).__name__}: {e}", str(mf)) from None
     be = worker.be
     wanted = [(worker.params, "param.", k) for k in worker.param_names]
     wanted += [(table, prefix, k) for k in worker.opt_names
@@ -65,25 +143,142 @@ def load_worker_checkpoint(d: Path, worker) -> None:
         if prefix + k not in tensors:
             raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
         table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
-    worker.opt_steps = meta["opt_steps"]
+    worker.opt_steps = opt_steps
 
 
-def mark_complete(root: Path, step: int) -> None:
+def build_fingerprint(build_path: Path) -> str:
+    """What a checkpoint must match to be resumed: the digest of the build's manifest, stage
+    programs and signatures, and worker streams. (The initial weights are left out: they follow
+    from the manifest's model digest, arguments and seed, and a checkpoint replaces them.)"""
+    build_path = Path(build_path)
+    files = [build_path / "manifest.json"]
+    files += sorted((build_path / "stages").glob("*"))
+    files += sorted((build_path / "streams").glob("w*.txt"))
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            data = f.read_bytes()
+            h.update(f"{f.relative_to(build_path)}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
+
+
+def mark_complete(root: Path, step: int, fingerprint: str, reports: dict[int, dict]) -> None:
+    """COMPLETE for `step`, once every worker reported its files' digests ({wid: {name: {sha256,
+    size}}}); a reported file that is not there with its size is a bug or a disk problem."""
     d = step_dir(root, step)
-    _atomic_write(d / "COMPLETE", lambda p: p.write_text(f"{step}\n"))
-
-
-def latest_complete(root: Path) -> tuple[int, Path] | None:
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best = None
-    for d in root.glob("step_*"):
-        if (d / "COMPLETE").is_file():
+    files = {}
+    for wid in sorted(reports):
+        for name, dig in reports[wid].items():
+            p = d / name
             try:
-                s = int(d.name.split("_")[1])
-            except ValueError:
-                continue
-            if best is None or s > best[0]:
-                best = (s, d)
-    return best
+                size = p.stat().st_size
+            except OSError as e:
+                raise H2Error(f"checkpoint file vanished before COMPLETE was written: {e.strerror}",
+                              str(p)) from None
+            if size != dig["size"]:
+                raise H2Error(f"checkpoint file is {size} bytes, its worker wrote {dig['size']}",
+                              str(p))
+            files[name] = {"sha256": dig["sha256"], "size": dig["size"]}
+    record = {"format": FORMAT, "step": step, "build": fingerprint, "workers": sorted(reports),
+              "files": files}
+    _durable_write(d / MARKER, lambda p: p.write_text(json.dumps(record, indent=1) + "\n"))
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for d in Path(root).glob("step_*"):
+        try:
+            found.append((int(d.name.split("_", 1)[1]), d))
+        except ValueError:
+            continue
+    return sorted(found, reverse=True)
+
+
+def complete_steps(root: Path) -> list[int]:
+    root = Path(root)
+    return [s for s, d in _steps(root) if (d / MARKER).is_file()] if root.is_dir() else []
+
+
+class Unusable(Exception):
+    """Why one checkpoint cannot be resumed from: the file at fault and what is wrong with it."""
+
+    def __init__(self, file: Path, why: str):
+        super().__init__(file, why)
+        self.file, self.why = file, why
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.why}"
+
+
+def verify(d: Path, fingerprint: str, num_workers: int) -> None:
+    """Raise Unusable naming the first bad file of checkpoint `d`; an H2Error if it is a sound
+    checkpoint of another build."""
+    marker = d / MARKER
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Unusable(marker, f"unreadable COMPLETE record ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise Unusable(marker, "COMPLETE record without file digests (written by an older h2x); "
+                       "it cannot be verified")
+    if record.get("build") != fingerprint:
+        raise H2Error(f"checkpoint {d.name} belongs to a different build (build fingerprint "
+                      f"{str(record.get('build'))[:12]}, this build's {fingerprint[:12]}): the "
+                      "build was recompiled or the checkpoint copied in from elsewhere",
+                      str(marker), hint="resume needs a checkpoint written by this build; move "
+                      f"{d.parent} away to start from step 0")
+    files = record.get("files") or {}
+    for wid in range(num_workers):
+        for name in worker_files(wid):
+            p = d / name
+            want = files.get(name)
+            if want is None:
+                raise Unusable(p, "not in the COMPLETE record")
+            try:
+                with open(p, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size != want["size"]:
+                        raise Unusable(p, f"truncated or extended: {size} bytes, "
+                                       f"{want['size']} were written")
+                    sha, _ = _digest(f)
+            except OSError as e:
+                raise Unusable(p, f"cannot read it ({e.strerror})") from None
+            if sha != want["sha256"]:
+                raise Unusable(p, "corrupt: its sha256 differs from the one recorded when it "
+                               "was written")
+
+
+def resume_point(root: Path, fingerprint: str, num_workers: int, out) -> tuple[int, Path]:
+    """The newest checkpoint that verifies; each newer one that does not is named in a note.
+    No usable one at all is an H2Error listing why each was refused."""
+    root = Path(root)
+    refused = []
+    for s, d in (_steps(root) if root.is_dir() else []):
+        if not (d / MARKER).is_file():
+            if any(d.iterdir()):
+                out(f"note: {d} has no {MARKER} marker (a run stopped while writing it); skipped")
+            continue
+        try:
+            verify(d, fingerprint, num_workers)
+        except Unusable as e:
+            out(f"note: checkpoint {d.name} is not usable: {e}; trying the previous one")
+            refused.append(f"{d.name}: {e}")
+            continue
+        return s, d
+    if refused:
+        raise H2Error("--resume: no usable checkpoint:\n  " + "\n  ".join(refused), str(root))
+    raise H2Error("--resume: no complete checkpoint to resume from", str(root))
+
+
+def remove_partial_writes(root: Path) -> list[Path]:
+    """Remove the `.tmp` files a killed writer left in the step directories (call it only while
+    holding the build's run lock: a running writer's `.tmp` is not partial)."""
+    root = Path(root)
+    removed = []
+    for _, d in (_steps(root) if root.is_dir() else []):
+        for f in d.glob("*.tmp"):
+            if f.is_file() and not f.is_symlink():
+                f.unlink()
+                removed.append(f)
+    return removed

@@ -22,8 +22,10 @@ only this directory and the backends — not the model file.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -196,13 +198,61 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
     return cap, costs, plan, cal
 
 
+_RUN_LOCK = ".h2x-run.lock"      # executor/rundir.py LOCK_FILE: flocked while `h2x run` runs
+
+
+def _check_output_dir(out: Path) -> bool:
+    """Whether `out` is an earlier build to replace (False: absent or empty). An H2Error where
+    replacing it would lose something: a file, a directory h2c did not write, checkpoints (they
+    resume only in the build that wrote them), or the files of a run in progress."""
+    if not out.exists():
+        if out.is_symlink():
+            raise H2Error("-o names a dangling symbolic link", str(out))
+        return False
+    if not out.is_dir():
+        raise H2Error("-o names an existing file, not a directory; give a directory for the build",
+                      str(out))
+    if not any(out.iterdir()):
+        return False
+    if not (out / ".h2-build").is_file():
+        raise H2Error("output directory is not empty and is not an h2 build directory; refusing "
+                      "to overwrite it", str(out), hint="pick another -o, or empty it yourself")
+    ckpts = sorted(p.name for p in (out / "ckpt").glob("step_*"))
+    if ckpts:
+        shown = ", ".join(ckpts[:3]) + (", ..." if len(ckpts) > 3 else "")
+        raise H2Error(f"the build directory holds {len(ckpts)} checkpoint(s) in ckpt/ ({shown}); "
+                      "recompiling would delete them", str(out),
+                      hint="a checkpoint resumes only in the build that wrote it: move or copy the "
+                      "whole build elsewhere to keep them, delete ckpt/ if they are not needed, or "
+                      "pick another -o")
+    if _run_in_progress(out):
+        raise H2Error("an h2x run is using this build directory; recompiling would delete its "
+                      "files under it", str(out), hint="wait for the run to end, or pick another -o")
+    return True
+
+
+def _run_in_progress(out: Path) -> bool:
+    try:
+        fd = os.open(out / _RUN_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                # releases the probe's lock, if it got one
+
+
 def _prepare_build_dir(out_dir: str, dry_run: bool) -> Path:
     out = Path(out_dir)
-    if out.exists():
-        if not (out / ".h2-build").exists() and any(out.iterdir()):
-            raise H2Error(f"output directory {out} exists and is not an h2 build directory; "
-                          "refusing to overwrite it")
-        shutil.rmtree(out)
+    if _check_output_dir(out):      # the earlier build's files go; the directory itself stays
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     for sub in ("stages", "streams") + (() if dry_run else ("weights",)):
         (out / sub).mkdir(parents=True, exist_ok=True)
     (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
@@ -298,6 +348,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
                   schedule: str = "1f1b", search: str = "heuristic", log=print) -> BuildResult:
     t0 = time.perf_counter()
     model_args = model_args or {}
+    _check_output_dir(Path(out_dir))    # before capture: a bad -o fails in a second, not a minute
     inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
     cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, schedule=schedule,
                                               search=search, dry_run=dry_run, log=log)
