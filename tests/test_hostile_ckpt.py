@@ -100,10 +100,11 @@ def test_interrupted_rewrite_of_a_step_is_not_loaded_as_a_mix(trained, tmp_path)
     r = run_cli("h2x", "run", str(b), "--steps", "6", "--checkpoint-every", "2", *OTHER_DATA,
                 "--json-log", str(log_b), env=env)
     _clean_error(r)
-    # which worker the message blames is the launcher's call (w1 failed; w0 then lost its peer)
-    assert "All workers stopped" in r.stderr and f"full log: {b / 'logs'}/stderr_w" in r.stderr
+    # the failing file is named: in the relayed worker error, or in w1's log the message points at
+    named = f"{b / 'ckpt' / step(6) / 'w1.safetensors'}: error: cannot write checkpoint"
+    assert "all workers stopped" in r.stderr.lower(), r.stderr
     w1_log = (b / "logs" / "stderr_w1.txt").read_text()                # kept after the run
-    assert f"{b / 'ckpt' / step(6) / 'w1.safetensors'}: error: cannot write checkpoint" in w1_log
+    assert named in r.stderr or (named in w1_log and "full log: " in r.stderr), r.stderr
     assert not any(tmp.iterdir()), list(tmp.iterdir())                 # temp dir gone after a failure
     assert not (b / "ckpt" / step(6) / "COMPLETE").exists()          # invalidated before rewriting
     (b / "ckpt" / step(6) / "w1.safetensors.tmp").rmdir()
