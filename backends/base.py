@@ -7,6 +7,11 @@ backend, node by node (as torch.fx.Interpreter does for fx graphs).
 
 Capability check: `missing_kernels(graph, backend)` lists the ops a program needs that the backend
 lacks — the compiler calls it before anything runs.
+
+Communication ops (the op set's COMM group: a tensor-parallel stage's `tp_all_reduce` and
+`tp_rank`) are not kernels of a backend: the rank's group lives in the worker. `run_program`
+takes a `comm` hook, `comm(op, *inputs, **attrs) -> tensor`, which the worker binds to its TP
+group's collectives over DiComm (tests bind it to an in-process group).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from h2ir.graph import Graph, Value, full_attrs
+from h2ir.opset import Group
 
 
 class Backend(Protocol):
@@ -42,24 +48,43 @@ class Backend(Protocol):
         """In-place AdamW (Loshchilov & Hutter 2019), same formula as torch.optim.AdamW."""
 
 
+def is_comm(op: str) -> bool:
+    """A communication op: run by the worker's comm hook, not by a backend kernel."""
+    from h2ir import opset
+    return opset.get(op).group is Group.COMM
+
+
 def missing_kernels(graph: Graph, backend) -> set[str]:
-    return {n.op for n in graph.nodes()} - set(backend.ops)
+    return {n.op for n in graph.nodes() if not is_comm(n.op)} - set(backend.ops)
 
 
-def run_program(graph: Graph, backend, inputs: dict) -> list:
-    """Run `graph` on `backend`. `inputs` maps every input/const/param name to a tensor."""
-    return compile_program(graph, backend)(inputs)
+def comm_ops(graph: Graph) -> set[str]:
+    return {n.op for n in graph.nodes() if is_comm(n.op)}
 
 
-def interpret_program(graph: Graph, backend, inputs: dict) -> list:
+def _no_comm(op, *inputs, **attrs):
+    raise RuntimeError(f"program runs comm op {op} but run_program was given no comm hook")
+
+
+def run_program(graph: Graph, backend, inputs: dict, comm=None) -> list:
+    """Run `graph` on `backend`. `inputs` maps every input/const/param name to a tensor;
+    `comm(op, *inputs, **attrs)` runs the program's communication ops."""
+    return compile_program(graph, backend)(inputs, comm or _no_comm)
+
+
+def interpret_program(graph: Graph, backend, inputs: dict, comm=None) -> list:
     """Reference interpreter: one dict lookup per value, node by node (torch.fx.Interpreter's
     way). `compile_program` must give the same results."""
     env = dict(inputs)
     ops = backend.ops
+    comm = comm or _no_comm
     for layer in graph.layers:
         for n in layer.nodes:
             args = [env[v.name] if isinstance(v, Value) else v for v in n.inputs]
-            out = ops[n.op](*args, **full_attrs(n))
+            if is_comm(n.op):
+                out = comm(n.op, *args, **full_attrs(n))
+            else:
+                out = ops[n.op](*args, **full_attrs(n))
             if len(n.outputs) == 1:
                 env[n.outputs[0].name] = out
             else:
@@ -90,14 +115,16 @@ def compile_program(graph: Graph, backend):
             last_use[id(v)] = i
     keep = {id(v) for v in graph.outputs}
     consts: dict[str, object] = {}
-    lines = ["def program(env):"]
+    lines = ["def program(env, comm=_no_comm):"]
     for v in graph.inputs + graph.consts + graph.all_params():
         if id(v) in last_use or id(v) in keep:
             lines.append(f"    {var(v)} = env[{v.name!r}]")
     for i, n in enumerate(nodes):
         k = f"k{i}"
-        consts[k] = backend.ops[n.op]
-        args = []
+        comm_op = is_comm(n.op)
+        if not comm_op:
+            consts[k] = backend.ops[n.op]
+        args = [repr(n.op)] if comm_op else []
         for a in n.inputs:
             if isinstance(a, Value):
                 args.append(var(a))
@@ -111,14 +138,14 @@ def compile_program(graph: Graph, backend):
             consts[c] = attrs
             args.append(f"**{c}")
         outs = ", ".join(var(v) for v in n.outputs) + ("," if len(n.outputs) > 1 else "")
-        lines.append(f"    {outs} = {k}({', '.join(args)})")
+        lines.append(f"    {outs} = {'comm' if comm_op else k}({', '.join(args)})")
         dead = [var(v) for v in n.input_values() if last_use.get(id(v)) == i and id(v) not in keep]
         dead += [var(v) for v in n.outputs if id(v) not in last_use and id(v) not in keep]
         if dead:
             lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
     lines.append(f"    return [{', '.join(var(v) for v in graph.outputs)}]")
     code = "\n".join(lines) + "\n"
-    scope: dict = dict(consts)
+    scope: dict = dict(consts, _no_comm=_no_comm)
     exec(compile(code, f"<h2ir program {graph.name} on {backend.name}>", "exec"), scope)
     fn = scope["program"]
     cache[id(graph)] = (graph, fn)

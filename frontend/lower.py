@@ -652,6 +652,12 @@ ATEN: dict = {
     # name: the op exists only once transformers has registered it)
     "transformers::grouped_mm_fallback": _grouped_mm,
     "transformers::grouped_mm_fallback_backward": _grouped_mm_bwd,
+    # tensor parallelism's collectives (frontend/tensor_parallel.py): f is the identity forward
+    # (its backward, an all-reduce, is what AOTAutograd writes into the backward program)
+    "h2tp::copy": lambda em, x, size: x,
+    "h2tp::all_reduce": lambda em, x, size: em("tp_all_reduce", x, size=size, reduce="sum"),
+    "h2tp::all_reduce_max": lambda em, x, size: em("tp_all_reduce", x, size=size, reduce="max"),
+    "h2tp::rank": lambda em, anchor, size: em("tp_rank", size=size),
 }
 # In-place ATen ops that torch.export graphs keep: lowered as their functional form.
 for _fn_op, _ip_op in [(aten.div.Tensor, aten.div_.Tensor), (aten.div.Scalar, aten.div_.Scalar),

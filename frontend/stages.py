@@ -43,11 +43,17 @@ class StageProgram:
     input_grads: list       # names (inputs or params) whose gradients the backward returns, in order
     input_types: dict = field(default_factory=dict)     # name -> str(TensorType)
     output_types: dict = field(default_factory=dict)
+    tp: int = 1             # tensor-parallel degree: the programs are one rank's (SPMD)
+    sharding: dict = field(default_factory=dict)        # param FQN -> ParamSharding (tp > 1)
 
     def meta(self) -> dict:
-        return {k: getattr(self, k) for k in (
+        m = {k: getattr(self, k) for k in (
             "index", "layers", "inputs", "outputs", "passthrough", "params", "consts", "saved",
             "tangents", "input_grads", "input_types", "output_types")}
+        if self.tp > 1:
+            m["tp"] = self.tp
+            m["sharding"] = {k: {"kind": v.kind, "dim": v.dim} for k, v in self.sharding.items()}
+        return m
 
 
 def _stage_of(cap: Capture, stage_layers: list[list[str]]):
@@ -184,6 +190,7 @@ class _Unit:
     params: list        # placeholder names (cap.params keys)
     bufs: list          # placeholder names (cap.buffers keys)
     last: bool
+    loss_inside: bool = False   # the loss is traced into gm (tensor-parallel last layer)
 
 
 @dataclass
@@ -210,11 +217,11 @@ def _signature(u: _Unit) -> tuple:
 
 
 def _aot(cap: Capture, u: _Unit, loss_fn, fake_mode) -> _Traced:
-    example = [_val(cap, k) for k in u.ins] + [_val(cap, p) for p in u.params] + \
-              [_val(cap, b) for b in u.bufs]
+    # the placeholders' traced values: the layer's own (a tensor-parallel layer's are one rank's)
+    example = [n.meta["val"] for n in u.gm.graph.nodes if n.op == "placeholder"]
     n_args = len(example)
     computed = [k for k in u.outs if k not in u.passthrough]
-    if u.last:
+    if u.last and not u.loss_inside:
         out_val = _val(cap, computed[0])
         example.append(torch.empty(out_val.shape[:-1], dtype=torch.long, device="meta"))
     # Fake CPU tensors: CPU kernels' dispatch (flash attention, nll_loss autograd) without
@@ -237,7 +244,10 @@ def _aot(cap: Capture, u: _Unit, loss_fn, fake_mode) -> _Traced:
         return make_boxed_func(bgm.forward)
 
     gm = u.gm
-    if u.last:
+    if u.loss_inside:
+        def fn(*a):
+            return gm(*a)[0]
+    elif u.last:
         def fn(*a):
             res = gm(*a[:n_args])
             res = res[0] if isinstance(res, (tuple, list)) else res
@@ -488,9 +498,29 @@ def _float_histc(cap: Capture) -> None:
         cap.aten.recompile()
 
 
+def _shard_units(cap: Capture, units: list, stage_layers: list, tp: list, loss_fn) -> dict:
+    """Rewrite the layers of tensor-parallel stages for one rank (frontend/tensor_parallel.py);
+    returns every parameter's sharding (FQN -> ParamSharding)."""
+    from frontend.tensor_parallel import shard_layer, with_loss
+    tp_of = {l: t for ls, t in zip(stage_layers, tp) for l in ls}
+    decided: dict = {}
+    for u in units:
+        t = tp_of[u.layer]
+        if t == 1:
+            continue
+        gm = u.gm
+        if u.last:
+            gm = with_loss(gm, loss_fn)
+            u.loss_inside = True
+        u.gm = shard_layer(gm, t, {p: cap.params[p] for p in u.params}, decided, u.layer,
+                           cap.model_file.path)
+    return decided
+
+
 def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=None,
-                         name: str = "model") -> list[StageProgram]:
-    """Forward/backward h2ir programs for every stage.
+                         name: str = "model", tp: list[int] | None = None) -> list[StageProgram]:
+    """Forward/backward h2ir programs for every stage; `tp` gives each stage's tensor-parallel
+    degree (the programs of a tp > 1 stage are one rank's, the same on every rank).
 
     AOTAutograd runs once per distinct layer structure (all blocks of a LLaMA are one), on fake
     tensors; the layer programs are then joined into stage programs. This keeps compiling a
@@ -498,11 +528,13 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
     from torch._subclasses.fake_tensor import FakeTensorMode
     loss_fn = loss_fn or cap.model_file.loss_fn()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tp = list(tp or [1] * len(stage_layers))
     _float_histc(cap)
     flat = [l for st in stage_layers for l in st]
     unit_parts = split_stages(cap, [[l] for l in flat])
     units = [_Unit(l, gm, ins, outs, pt, ps, bs, i == len(flat) - 1)
              for i, (l, (gm, ins, outs, pt, ps, bs)) in enumerate(zip(flat, unit_parts))]
+    sharding = _shard_units(cap, units, stage_layers, tp, loss_fn) if max(tp) > 1 else {}
     traced: dict[tuple, _Traced] = {}
     lprogs = []
     for u in units:
@@ -532,5 +564,7 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
             params=info["params"], consts=info["consts"], saved=info["saved"],
             tangents=info["tangents"], input_grads=info["input_grads"],
             input_types={k: str(v) for k, v in in_types.items()},
-            output_types=info["output_types"]))
+            output_types=info["output_types"], tp=tp[s],
+            sharding={k: sharding[k] for k in info["params"] if k in sharding} if tp[s] > 1
+            else {}))
     return progs

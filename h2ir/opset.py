@@ -664,6 +664,16 @@ _op("recv", Group.COMM, [], {"peer": REQUIRED, "tag": "", "dtype": "f32", "shape
     infer=_full, flops=_zero)
 _op("all_reduce", Group.COMM, ["x"], {"group": REQUIRED, "op": "sum"}, infer=_same, flops=_zero)
 _op("all_to_all", Group.COMM, ["x"], {"group": REQUIRED, "split_dim": 0}, infer=_same, flops=_zero)
+# Tensor parallelism inside a stage program (frontend/tensor_parallel.py; Megatron-LM, Shoeybi et
+# al. 2019, Sec. 3): every rank of the stage's TP group runs the same program, and these ops
+# are the points where the ranks meet. `size` is the TP group's size; the worker supplies the
+# group (backends/base.py run_program's comm hook).
+_op("tp_all_reduce", Group.COMM, ["x"], {"size": REQUIRED, "reduce": "sum"}, infer=_same, flops=_zero,
+    doc="the sum (reduce='sum') or maximum (reduce='max') of x over the stage's TP group, on "
+        "every rank")
+_op("tp_rank", Group.COMM, [], {"size": REQUIRED},
+    infer=lambda i, a: [TensorType("i64", ())], flops=_zero,
+    doc="this worker's rank in its TP group (0 .. size-1), an i64 scalar")
 
 # MoE region boundaries (Piper, arXiv 2605.05049): tokens leave for their experts and come back.
 _op("moe_dispatch", Group.MOE, ["x", "expert_ids"], {"num_experts": REQUIRED, "capacity": REQUIRED},
@@ -672,6 +682,14 @@ _op("moe_dispatch", Group.MOE, ["x", "expert_ids"], {"num_experts": REQUIRED, "c
 _op("moe_combine", Group.MOE, ["y", "expert_ids", "weights"], {"tokens": REQUIRED},
     infer=lambda i, a: [TensorType(i[0].dtype, (a["tokens"], i[0].shape[-1]))], flops=_numel_out,
     doc="weighted sum of expert outputs back into token order")
+
+
+def comm_volume(op: str, ins: list, attrs: dict) -> tuple[str, int, int] | None:
+    """(collective, payload bytes, group size) of a TP comm node, for the cost model's link
+    times (h2ir/planner/resource.py); None for ops that move no data."""
+    if op == "tp_all_reduce":
+        return "all_reduce", ins[0].nbytes, attrs["size"]
+    return None
 
 
 def get(name: str) -> OpDef:
