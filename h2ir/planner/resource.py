@@ -517,8 +517,11 @@ class ResourceModel:
             cal = self._cals[rates.backend] = measured_calibration(rates.backend, self.calibration)
         return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len)
 
-    def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat") -> LayerTimes:
-        key = (chip, tp, ep, a2a)
+    def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat",
+                    tp_estimate: bool = True) -> LayerTimes:
+        """`tp_estimate=False` leaves out the per-layer TP all-reduce estimate (the caller adds
+        the stage programs' own collectives instead: `stage_times(program_comm=...)`)."""
+        key = (chip, tp, ep, a2a, tp_estimate)
         if key in self._times:
             return self._times[key]
         r = self.rates(chip)
@@ -535,7 +538,7 @@ class ResourceModel:
                 f_c = l.fwd_flops / (tp * r.flops)
                 b_c = l.bwd_flops / (tp * r.flops)
             comm = 0.0
-            if tp > 1:
+            if tp > 1 and tp_estimate:
                 # Megatron-LM (Shoeybi et al. 2019) Sec. 3, Fig. 4: two all-reduces of the b*s*d
                 # block output per transformer block in the forward and two in the backward; the
                 # vocab-parallel embedding needs one per pass.
@@ -561,8 +564,8 @@ class ResourceModel:
 
     # -- one stage ---------------------------------------------------------------------------
     def compute_times(self, chip: str, tp: int, a: int, b: int, recompute: str, ep: int = 1,
-                      a2a: str = "flat") -> tuple[float, float]:
-        lt = self.layer_times(chip, tp, ep, a2a)
+                      a2a: str = "flat", tp_estimate: bool = True) -> tuple[float, float]:
+        lt = self.layer_times(chip, tp, ep, a2a, tp_estimate)
         f = lt.fwd[b] - lt.fwd[a]
         bw = (lt.bwd_rc if recompute == "full" else lt.bwd)
         return f, bw[b] - bw[a]
@@ -596,13 +599,28 @@ class ResourceModel:
         dev = self.la.device(tp, ep)
         return (dev.P_params[b] - dev.P_params[a]) * self.opt_step_coef(chip)
 
-    def stage_times(self, plan: Plan, j: int) -> StageTimes:
+    def program_comm_time(self, chip: str, volumes: list) -> float:
+        """Seconds of a stage program's collectives: `volumes` are the op set's comm_volume
+        triples (collective, payload bytes, group size) of its COMM nodes; a TP group lives on
+        one host, so each all-reduce rings over the intra-node links."""
+        g = self.cluster.group(chip)
+        return sum(tp_allreduce_time(nbytes, g, n) for kind, nbytes, n in volumes
+                   if kind == "all_reduce" and n > 1)
+
+    def stage_times(self, plan: Plan, j: int, program_comm: tuple | None = None) -> StageTimes:
+        """`program_comm` = (forward volumes, backward volumes) of the stage's compiled
+        programs' collectives replaces the per-layer TP estimate (Megatron's two all-reduces
+        per block) with the programs' own."""
         S = plan.num_stages
         st = plan.stages[j]
         ep = _ep_of(plan)
         a2a = plan.moe.a2a if plan.moe else "flat"
         a, b = stage_layer_range(plan, j, self.la.names)
-        f, bw = self.compute_times(st.chip, st.tp, a, b, st.recompute, ep, a2a)
+        f, bw = self.compute_times(st.chip, st.tp, a, b, st.recompute, ep, a2a,
+                                   tp_estimate=program_comm is None)
+        if program_comm is not None:
+            f += self.program_comm_time(st.chip, program_comm[0])
+            bw += self.program_comm_time(st.chip, program_comm[1])
         send_act = send_grad = 0.0
         if j + 1 < S:
             nxt = plan.stages[j + 1]

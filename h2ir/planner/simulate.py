@@ -9,6 +9,11 @@ stream files of a build; `h2c plan` and the search let it build the plan's strea
 - `fwd` / `bwd` occupy the worker's compute lane for the stage's per-micro-batch time.
 - `send_*` are asynchronous: the transfer occupies the sender's comm lane (one link queue per
   worker), the compute lane moves on. `recv_*` waits until the matching send has arrived.
+- A tensor-parallel stage's `fwd`/`bwd` include its programs' collectives (`program_comm`:
+  the op set's comm volumes of the compiled programs, timed by the resource model's intra-node
+  links), or the resource model's per-layer estimate for plans not yet compiled.
+- Redistribution between TP degrees: each sender's share goes to every receiver; a receive
+  waits for every sender's share.
 - `all_reduce` is a barrier over its group: it starts when every member has reached it and the
   link is free, and takes the data-parallel all-reduce time for the stage.
 - `opt_step` is memory-bound: state bytes touched / memory bandwidth.
@@ -31,7 +36,7 @@ from h2ir.plans.plan import Plan
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
 from h2ir.schedule.grid import ScheduleGrid, grid_from_events
 from h2ir.schedule.interpret import StreamInterpreter
-from h2ir.schedule.streams import Instr, build_streams, tied_stage_groups
+from h2ir.schedule.streams import Instr, WorkerLayout, build_streams, tied_stage_groups
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 
@@ -124,19 +129,25 @@ class SimulatedWorker(StreamInterpreter):
         self.last_bwd_end = self.tl.clock[self.wid]
 
     def _send(self, ins, kind: str, dur: float):
+        """One send, or a TP sender's share to every receiver: `dur` is the resource model's
+        time of the whole boundary transfer with every sender's share in flight at once."""
         w, tl = self.wid, self.tl
         start = max(tl.clock[w], tl.link_free[w])
         tl.link_free[w] = start + dur
-        tl.arrivals[(kind, ins.mb, w, ins.peer)] = start + dur
+        for peer in ins.peers:
+            tl.arrivals[(kind, ins.mb, w, peer)] = start + dur
         tl.emit(w, "comm", f"send_{kind}" + (f" {ins.mb}" if ins.mb >= 0 else ""), start, dur)
 
     def _recv(self, ins, kind: str):
-        key = (kind, ins.mb, ins.peer, self.wid)
-        if key not in self.tl.arrivals:
-            if ins.peer not in self.simulated:
-                raise H2Error(f"worker w{self.wid} receives from w{ins.peer}, which is not simulated")
-            raise _Blocked
-        self.tl.clock[self.wid] = max(self.tl.clock[self.wid], self.tl.arrivals.pop(key))
+        keys = [(kind, ins.mb, peer, self.wid) for peer in ins.peers]
+        for peer, key in zip(ins.peers, keys):
+            if key not in self.tl.arrivals:
+                if peer not in self.simulated:
+                    raise H2Error(f"worker w{self.wid} receives from w{peer}, which is not "
+                                  "simulated")
+                raise _Blocked
+        for key in keys:
+            self.tl.clock[self.wid] = max(self.tl.clock[self.wid], self.tl.arrivals.pop(key))
 
     def send_act(self, ins):
         self._send(ins, "act", self.times.send_act_s)
@@ -213,43 +224,55 @@ def run_streams(workers: list[SimulatedWorker]) -> float:
     return max(max(tl.clock.values(), default=0.0), max(tl.link_free.values(), default=0.0))
 
 
+def plan_layout(plan: Plan) -> WorkerLayout:
+    """The worker layout of a plan: dp replicas of its stages, stage s with tp ranks."""
+    return WorkerLayout(plan.dp, tuple(st.tp for st in plan.stages))
+
+
 def _worker_name(plan: Plan, w: int) -> str:
-    S = plan.num_stages
-    st = plan.stages[w % S]
-    return f"w{w} r{w // S} stage {w % S} {st.chip}" + (f" tp{st.tp}" if st.tp > 1 else "")
+    r, s, k = plan_layout(plan).where(w)
+    st = plan.stages[s]
+    return f"w{w} r{r} stage {s} {st.chip}" + (f" tp{st.tp} rank {k}" if st.tp > 1 else "")
 
 
 def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, *,
              streams: dict[int, list[Instr]] | None = None, workers: list[int] | None = None,
              symmetric: bool = True, record: bool = True,
-             resource: ResourceModel | None = None) -> SimResult:
+             resource: ResourceModel | None = None,
+             program_comm: dict | None = None) -> SimResult:
     """Simulate one training step of `plan`; durations from the resource model.
 
     `streams` are the instruction streams to time — a build's stream files, as h2x and h2c
-    compile pass them — keyed by worker id (replica * S + stage); without them the plan's
-    streams are built here. `workers` limits the simulation to some workers (their peers'
+    compile pass them — keyed by worker id (`WorkerLayout`: replica, stage, tp rank); without
+    them the plan's streams are built here. `program_comm` (stage -> (forward, backward) comm
+    volumes of its compiled programs) times TP stages by their programs' collectives. `workers` limits the simulation to some workers (their peers'
     transfers must come from inside the set); by default every worker of `streams` is simulated,
     or, for built streams with `symmetric`, the first replica only: replicas run the same stream
     up to worker ids, so replica 0 is timed and its all-reduce takes the plan's dp-way time."""
     _check_batch(plan)
     rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
     S, m = plan.num_stages, plan.num_microbatches
-    times = [rm.stage_times(plan, j) for j in range(S)]
+    lay = plan_layout(plan)
+    program_comm = program_comm or {}
+    times = [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
+             for j in range(S)]
     if streams is None:
         ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
         streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
-                                ties=ties)
+                                ties=ties, tp=lay.tps)
         if symmetric:
-            workers = workers or list(range(S))
+            workers = workers or list(range(lay.per_replica))
     workers = sorted(workers if workers is not None else streams)
     for w in workers:
         if w not in streams:
             raise H2Error(f"no instruction stream for worker w{w}")
-        if w // S >= plan.dp:
-            raise H2Error(f"worker w{w} is outside the plan's {plan.dp} x {S} workers")
+        if w >= lay.num_workers:
+            raise H2Error(f"worker w{w} is outside the plan's {lay.num_workers} workers "
+                          f"({plan.dp} replicas of {S} stages, tp {list(lay.tps)})")
+    stage_of = {w: lay.where(w)[1] for w in workers}
     simulated = set(workers)
     tl = Timeline(record=record)
-    sims = [SimulatedWorker(w, streams[w], times[w % S], tl, simulated) for w in workers]
+    sims = [SimulatedWorker(w, streams[w], times[stage_of[w]], tl, simulated) for w in workers]
     step = run_streams(sims)
 
     flush = max(s.last_bwd_end for s in sims)
@@ -257,7 +280,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     bubble = 1.0 - busy_total / (len(sims) * flush) if flush > 0 else 0.0
     mem = []
     for j in range(S):
-        peak = max((s.inflight_peak for s in sims if s.wid % S == j), default=0)
+        peak = max((s.inflight_peak for s in sims if stage_of[s.wid] == j), default=0)
         mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak))
     return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
                      stage_memory=mem, inflight_peak={s.wid: s.inflight_peak for s in sims},
@@ -265,7 +288,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                      tokens_per_s=plan.global_batch * plan.seq_len / step,
                      mfu=_mfu(rm, plan, step), events=tl.events,
                      worker_names={w: _worker_name(plan, w) for w in workers},
-                     stage_of={w: w % S for w in workers})
+                     stage_of=stage_of)
 
 
 def _check_batch(plan: Plan) -> None:
@@ -292,8 +315,27 @@ def _mfu(rm: ResourceModel, plan: Plan, step: float) -> dict[str, float]:
 FULL_SIMULATION_MAX_WORKERS = 256
 
 
-def simulate_build(costs, plan, cluster, cal, streams: dict) -> SimResult:
-    """Time the streams a build holds: all of them, or replica 0's for very large plans."""
+def simulate_build(costs, plan, cluster, cal, streams: dict,
+                   program_comm: dict | None = None) -> SimResult:
+    """Time the streams a build holds: all of them, or replica 0's for very large plans;
+    `program_comm` as `simulate`'s (the build's TP stage programs' collectives)."""
     workers = None if len(streams) <= FULL_SIMULATION_MAX_WORKERS else \
-        [w for w in streams if w < plan.num_stages]
-    return simulate(costs, plan, cluster, cal, streams=streams, workers=workers)
+        [w for w in streams if w < plan_layout(plan).per_replica]
+    return simulate(costs, plan, cluster, cal, streams=streams, workers=workers,
+                    program_comm=program_comm)
+
+
+def program_comm_volumes(fwd, bwd) -> tuple[list, list]:
+    """(forward, backward) comm volumes of a stage's programs (h2ir Graphs), for
+    `simulate(program_comm=...)`: one (collective, bytes, group size) per COMM node."""
+    from h2ir.opset import comm_volume
+
+    def vols(g):
+        out = []
+        for n in g.nodes():
+            v = comm_volume(n.op, [x.type if hasattr(x, "type") else x for x in n.inputs],
+                            {**n.opdef.attrs, **n.attrs})
+            if v is not None:
+                out.append(v)
+        return out
+    return vols(fwd), vols(bwd)

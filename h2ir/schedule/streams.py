@@ -1,7 +1,8 @@
 """Per-worker instruction streams: the schedule as data.
 
-A worker is one (replica, stage) pair; worker id = replica * S + stage. Each worker runs an
-ordered list of small instructions. The executor interprets them; the simulator times them with
+A worker is one (replica, stage, tp rank) triple; `WorkerLayout` is the one map between worker
+ids and triples (replica-major, then stage, then TP rank: with tp = 1 everywhere, worker id =
+replica * S + stage). Each worker runs an ordered list of small instructions. The executor interprets them; the simulator times them with
 the resource model (both subclass `h2ir.schedule.interpret.StreamInterpreter`). Every instruction
 has a one-line text form that round-trips:
 
@@ -16,6 +17,13 @@ has a one-line text form that round-trips:
     send_tied_grads -> w0   hand this stage's gradients of tied parameters to their owner
     recv_tied_grads <- w1   the owner adds a holder's gradients of the parameters they share
     opt_step                optimizer step on this worker's parameters
+    fwd 3 tp[w1 w2]         forward of a tensor-parallel stage: the program's collectives run
+                            over the TP group written out (every rank's stream names it)
+    send_act 3 -> [w3 w4] share 0/2   redistribution between TP degrees (H2's NIC-affinity
+                            redistribution): this sender transmits its share 0 of 2 slices of
+                            the (replicated) boundary tensor to every receiver of the next stage
+    recv_act 3 <- [w1 w2]   a receiver takes one share from each sender and concatenates them
+                            (`share_dim` says along which dim); gradients flow back alike
     send_tied_params -> w1  the owner sends the updated tied parameters to a holder
     recv_tied_params <- w0  a holder takes the owner's updated tied parameters
 
@@ -43,19 +51,79 @@ _TIED_RECVS = ("recv_tied_grads", "recv_tied_params")
 
 
 @dataclass(frozen=True)
+class WorkerLayout:
+    """Worker ids <-> (replica, stage, tp rank): replicas outermost, then stages, then the
+    ranks of a stage's TP group (a stage's ranks are consecutive ids, so they share a host)."""
+    dp: int
+    tps: tuple[int, ...]          # TP degree per stage
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.tps)
+
+    @property
+    def per_replica(self) -> int:
+        return sum(self.tps)
+
+    @property
+    def num_workers(self) -> int:
+        return self.dp * self.per_replica
+
+    def wid(self, replica: int, stage: int, rank: int = 0) -> int:
+        return replica * self.per_replica + sum(self.tps[:stage]) + rank
+
+    def where(self, wid: int) -> tuple[int, int, int]:
+        """(replica, stage, tp rank) of worker `wid`."""
+        r, k = divmod(wid, self.per_replica)
+        for s, t in enumerate(self.tps):
+            if k < t:
+                return r, s, k
+            k -= t
+        raise ValueError(f"worker w{wid} outside the layout")
+
+    def tp_group(self, replica: int, stage: int) -> tuple[int, ...]:
+        return tuple(self.wid(replica, stage, k) for k in range(self.tps[stage]))
+
+    def dp_group(self, stage: int, rank: int = 0) -> tuple[int, ...]:
+        """The workers holding the same shard of stage `stage` in every replica."""
+        return tuple(self.wid(q, stage, rank) for q in range(self.dp))
+
+
+def share_dim(shape: tuple) -> int:
+    """The dim a boundary tensor is split along when TP senders each transmit a share: the
+    largest (the first of equals), so shares stay even; both ends compute it from the type."""
+    shape = tuple(shape)
+    return max(range(len(shape)), key=lambda d: (shape[d], -d)) if shape else 0
+
+
+def _ws(group) -> str:
+    return " ".join(f"w{g}" for g in group)
+
+
+@dataclass(frozen=True)
 class Instr:
     op: str
     mb: int | None = None
     peer: int | None = None
     group: tuple[int, ...] | None = None
+    share: tuple[int, int] | None = None     # (index, count) of a TP sender's share
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Send/recv peers: one worker, or every worker of the other stage's TP group."""
+        return (self.peer,) if self.peer is not None else tuple(self.group or ())
 
     def __str__(self) -> str:
         if self.op in ("fwd", "bwd"):
-            return f"{self.op} {self.mb}"
+            return f"{self.op} {self.mb}" + (f" tp[{_ws(self.group)}]" if self.group else "")
         if self.op in _SENDS:
-            return f"{self.op} {self.mb} -> w{self.peer}"
+            if self.peer is not None:
+                return f"{self.op} {self.mb} -> w{self.peer}"
+            return f"{self.op} {self.mb} -> [{_ws(self.group)}] share {self.share[0]}/{self.share[1]}"
         if self.op in _RECVS:
-            return f"{self.op} {self.mb} <- w{self.peer}"
+            if self.peer is not None:
+                return f"{self.op} {self.mb} <- w{self.peer}"
+            return f"{self.op} {self.mb} <- [{_ws(self.group)}]"
         if self.op in _TIED_SENDS:
             return f"{self.op} -> w{self.peer}"
         if self.op in _TIED_RECVS:
@@ -72,6 +140,15 @@ class Instr:
         m = re.fullmatch(r"(fwd|bwd) (\d+)", t)
         if m:
             return cls(m[1], int(m[2]))
+        m = re.fullmatch(r"(fwd|bwd) (\d+) tp\[((?:w\d+ ?)+)\]", t)
+        if m:
+            return cls(m[1], int(m[2]), group=_group(m[3]))
+        m = re.fullmatch(r"(send_act|send_grad) (\d+) -> \[((?:w\d+ ?)+)\] share (\d+)/(\d+)", t)
+        if m:
+            return cls(m[1], int(m[2]), group=_group(m[3]), share=(int(m[4]), int(m[5])))
+        m = re.fullmatch(r"(recv_act|recv_grad) (\d+) <- \[((?:w\d+ ?)+)\]", t)
+        if m:
+            return cls(m[1], int(m[2]), group=_group(m[3]))
         m = re.fullmatch(r"(send_act|send_grad) (\d+) -> w(\d+)", t)
         if m:
             return cls(m[1], int(m[2]), int(m[3]))
@@ -95,28 +172,45 @@ class Instr:
         raise ValueError(f"not an instruction: {text!r} (expected one of: {', '.join(OPS)})")
 
 
+def _group(text: str) -> tuple[int, ...]:
+    return tuple(int(g[1:]) for g in text.split())
+
+
+def _p2p(op: str, mb: int, peers: tuple, share: tuple[int, int]) -> Instr:
+    """A send/recv with one peer (the pre-TP text form) or with a TP group (shares)."""
+    if len(peers) == 1 and share[1] == 1:
+        return Instr(op, mb, peers[0])
+    return Instr(op, mb, group=tuple(peers), share=share if op in _SENDS else None)
+
+
 def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group,
-                  tie_owner: int | None = None, tie_holders: tuple[int, ...] = ()) -> list[Instr]:
+                  tie_owner: int | None = None, tie_holders: tuple[int, ...] = (),
+                  groups=None, rank: int = 0) -> list[Instr]:
     """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions,
     then the step's end: tied-gradient hand-over, data-parallel all-reduce, optimizer step,
     tied-parameter update. `tie_owner` is the stage owning parameters this stage holds copies
-    of; `tie_holders` the stages holding copies of parameters this one owns."""
+    of; `tie_holders` the stages holding copies of parameters this one owns. `groups(stage)` is
+    a stage's TP group in this replica, `rank` this worker's rank in its own."""
+    groups = groups or (lambda st: (worker(st),))
     out: list[Instr] = []
-    prev = worker(stage - 1) if stage > 0 else None
-    nxt = worker(stage + 1) if stage < S - 1 else None
+    mine = groups(stage)
+    tp = len(mine)
+    prev = groups(stage - 1) if stage > 0 else None
+    nxt = groups(stage + 1) if stage < S - 1 else None
+    tpg = mine if tp > 1 else None
     for kind, mb in order:
         if kind == "F":
             if prev is not None:
-                out.append(Instr("recv_act", mb, prev))
-            out.append(Instr("fwd", mb))
+                out.append(_p2p("recv_act", mb, prev, (0, len(prev))))
+            out.append(Instr("fwd", mb, group=tpg))
             if nxt is not None:
-                out.append(Instr("send_act", mb, nxt))
+                out.append(_p2p("send_act", mb, nxt, (rank, tp)))
         else:
             if nxt is not None:
-                out.append(Instr("recv_grad", mb, nxt))
-            out.append(Instr("bwd", mb))
+                out.append(_p2p("recv_grad", mb, nxt, (0, len(nxt))))
+            out.append(Instr("bwd", mb, group=tpg))
             if prev is not None:
-                out.append(Instr("send_grad", mb, prev))
+                out.append(_p2p("send_grad", mb, prev, (rank, tp)))
     if tie_owner is not None:
         out.append(Instr("send_tied_grads", peer=worker(tie_owner)))
     out += [Instr("recv_tied_grads", peer=worker(h)) for h in tie_holders]
@@ -167,20 +261,30 @@ def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, 
 
 
 def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1,
-                  ties: dict[int, tuple[int, ...]] | None = None) -> dict[int, list[Instr]]:
-    """Instruction streams for every worker of a dp x num_stages pipeline; `ties` is
-    `tied_stage_groups`' owner -> holders map (tied parameters are exchanged inside a replica)."""
+                  ties: dict[int, tuple[int, ...]] | None = None,
+                  tp: list[int] | tuple[int, ...] | None = None) -> dict[int, list[Instr]]:
+    """Instruction streams for every worker of a dp x num_stages pipeline whose stage s has
+    tp[s] ranks (`WorkerLayout`); `ties` is `tied_stage_groups`' owner -> holders map (tied
+    parameters are exchanged inside a replica, rank with rank: tied stages share one tp)."""
     S = num_stages
+    lay = WorkerLayout(dp, tuple(tp or (1,) * S))
     ties = ties or {}
     owner_of = {h: o for o, hs in ties.items() for h in hs}
+    for o, hs in ties.items():
+        for h in hs:
+            if lay.tps[o] != lay.tps[h]:
+                raise H2Error(f"stages {o} and {h} share tied parameters but have tp "
+                              f"{lay.tps[o]} and {lay.tps[h]}; tied stages need one tp")
     streams: dict[int, list[Instr]] = {}
     for r in range(dp):
         for s in range(S):
             order = compute_order(schedule, s, S, num_microbatches)
-            streams[r * S + s] = _stage_stream(
-                order, s, S, worker=lambda st, r=r: r * S + st,
-                dp_group=[q * S + s for q in range(dp)],
-                tie_owner=owner_of.get(s), tie_holders=ties.get(s, ()))
+            for k in range(lay.tps[s]):
+                streams[lay.wid(r, s, k)] = _stage_stream(
+                    order, s, S, worker=lambda st, r=r, k=k: lay.wid(r, st, k),
+                    dp_group=list(lay.dp_group(s, k)),
+                    tie_owner=owner_of.get(s), tie_holders=ties.get(s, ()),
+                    groups=lambda st, r=r: lay.tp_group(r, st), rank=k)
     return streams
 
 
