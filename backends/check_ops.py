@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from h2ir import opset
-from h2ir.errors import H2Error
+from h2ir.errors import SEED_MAX, H2Error, int_flag
 from h2ir.opset import Group
 from h2ir.types import DTYPE_TABLE, TensorType, dtype_of_host
 
@@ -833,7 +833,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--op", action="append", default=None, help="check only this op (repeatable)")
     ap.add_argument("--reference", choices=list(REFERENCES), default=None,
                     help="float64 reference (default: numpy-f64 for torch, torch-f64 for numpy)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0)
     ap.add_argument("--json", action="store_true", help="machine-readable report")
     a = ap.parse_args(argv)
 

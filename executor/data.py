@@ -15,7 +15,8 @@ Python standard library's own source files (real text, nothing to download).
 
 Memory is bounded whatever the file size. Token files are memory-mapped, never read whole; their
 vocabulary check reads them in SCAN_ELEMS-sized pieces. Text is read only up to
-`--data-max-bytes` (default MAX_BYTES) from the start: `bytes` keeps those bytes in memory;
+`--data-max-bytes` (default MAX_BYTES) from the start, never read whole to be cut: `bytes`
+memory-maps that prefix of a single file and reads a directory's files up to the limit;
 `text` streams them through the tokenizer in TEXT_CHUNK pieces (each cut where the tokenizer's
 own pre-tokenizer would split, see `_cut`; each file on its own) into a token cache file
 in the build directory, `BUILD/data/<name>-<key>.u16|.u32`, which the workers then memory-map like
@@ -103,9 +104,18 @@ def text_files(path: str | None, max_bytes: int = MAX_BYTES) -> list[Path]:
 
 def load_corpus(path: str | None = None, max_bytes: int = MAX_BYTES,
                 vocab: int | None = None) -> np.ndarray:
-    """Byte tokens: the first `max_bytes` bytes of the text files (only those are read)."""
+    """Byte tokens: the first `max_bytes` bytes of the text files (only those are read). One
+    file is memory-mapped (its first `max_bytes` bytes), so a worker's memory does not grow
+    with --data-max-bytes; the files of a directory are read and joined."""
+    files = text_files(path, max_bytes)
+    if len(files) == 1:
+        arr = _map_prefix(files[0], max_bytes)
+        if arr is not None:
+            if vocab:
+                check_ids_in_pieces(arr, vocab, str(files[0]), unit=1)
+            return arr
     chunks, total = [], 0
-    for f in text_files(path, max_bytes):
+    for f in files:
         try:
             with open(f, "rb") as fh:
                 b = fh.read(max_bytes - total)
@@ -122,6 +132,26 @@ def load_corpus(path: str | None = None, max_bytes: int = MAX_BYTES,
         raise H2Error("no text found to train on (expected a text file or a directory of "
                       ".py/.txt/.md/.rst files)", str(path or default_corpus_dir()))
     return np.concatenate(chunks)
+
+
+def _map_prefix(f: Path, max_bytes: int) -> np.ndarray | None:
+    """The first `max_bytes` bytes of `f` as a read-only uint8 memory map; None when the file
+    cannot be mapped (too short, a pipe, unreadable: the caller reads it instead)."""
+    try:
+        size = f.stat().st_size
+        if not f.is_file() or size < 2:
+            return None
+        return np.memmap(f, dtype=np.uint8, mode="r", shape=(min(size, max_bytes),))
+    except (OSError, ValueError):
+        return None
+
+
+def check_ids_in_pieces(ids: np.ndarray, vocab: int, file: str, unit: int) -> None:
+    """`_check_ids` over a memory map, SCAN_ELEMS ids at a time."""
+    if vocab >= 1 << (8 * ids.dtype.itemsize):
+        return
+    for base in range(0, len(ids), SCAN_ELEMS):
+        _check_ids(np.asarray(ids[base:base + SCAN_ELEMS]), vocab, file, unit, base)
 
 
 # ---- token files -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ file's own code raises is reported as an error in the model file, at its line.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import inspect
 import io
@@ -162,7 +163,8 @@ def load_model_file(path: str) -> ModelFile:
                       path, hint="a model file is a Python file that defines "
                                  "build_model(**kwargs) (README: 'Model files')")
     name = f"h2_model_{p.stem}_{abs(hash(str(p.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, p)
+    # any file name: a model file without the .py suffix is still read as Python source
+    spec = importlib.util.spec_from_loader(name, importlib.machinery.SourceFileLoader(name, str(p)))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
@@ -188,6 +190,8 @@ def parse_model_args(pairs: list[str]) -> dict:
         if "=" not in p:
             raise H2Error(f"--arg {p!r}: expected key=value")
         k, v = p.split("=", 1)
+        if not k.isidentifier():
+            raise H2Error(f"--arg {p[:60]!r}: {k[:40]!r} is not a Python keyword-argument name")
         for conv in (int, float):
             try:
                 v = conv(v)

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from h2ir.errors import run_subcommand
+from h2ir.errors import MAX_MICRO_BATCH, MAX_SEQ_LEN, int_flag, run_subcommand
 
 # subcommand -> "module:function" taking argv and returning an exit code
 SUBCOMMANDS = {
@@ -34,8 +34,8 @@ def ir_main(argv: list[str]) -> int:
     ap.add_argument("path", help="a model file (.py) to trace, or an .h2ir file to parse")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for build_model (repeatable)")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), default=128)
+    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH), default=1)
     ap.add_argument("--summary", action="store_true", help="one row per layer with its costs")
     ap.add_argument("--json", action="store_true", help="machine-readable layer costs")
     ap.add_argument("-o", "--output", help="write to FILE instead of stdout")

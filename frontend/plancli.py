@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from backends.calibrate import ensure_calibration
 from backends.registry import measured_backends
 from h2ir.costs import ModelCosts
-from h2ir.errors import H2Error
+from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, H2Error, int_flag,
+                         read_user_file, too_deep)
 
 if TYPE_CHECKING:
     from h2ir.clusters.cluster import Cluster
@@ -46,9 +47,12 @@ def _parser() -> argparse.ArgumentParser:
                     "plan file's cluster, else local)")
     ap.add_argument("--plan", default="auto", metavar="auto|uniform|FILE.h2plan")
     ap.add_argument("--search", default="heuristic", choices=("heuristic", "exhaustive"))
-    ap.add_argument("--global-batch", type=int, help="sequences per step (default: max(8, chips))")
-    ap.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: searched)")
-    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum)")
+    ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH),
+                    help="sequences per step (default: max(8, chips))")
+    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
+                    metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
+                    help="tokens per sequence (default: the model's maximum)")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     ap.add_argument("-o", "--output", help="write the plan as .h2plan text to FILE")
     ap.add_argument("--trace", help="write the predicted timeline as Chrome/Perfetto trace JSON")
@@ -94,7 +98,11 @@ def _default_seq_len(model: str, args: dict) -> int:
     """The model's own maximum sequence length: a build_model argument (given, or its default)."""
     for k in _SEQ_ARGS:
         if k in args:
-            return int(args[k])
+            v = args[k]
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEQ_LEN:
+                raise H2Error(f"--arg {k}={v}: expected a sequence length in 1..{MAX_SEQ_LEN}",
+                              hint="or say --seq-len N")
+            return v
     try:
         from frontend.capture import load_model_file
         sig = inspect.signature(load_model_file(model).module.build_model)
@@ -111,13 +119,14 @@ def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) ->
     """Layer costs of `model`: a cost JSON as is, or a model file traced by the frontend."""
     p = Path(model)
     if p.suffix == ".json":
+        text = read_user_file(p, "layer-cost JSON file")
         try:
-            costs = ModelCosts.from_json(json.loads(p.read_text()))
-        except OSError as e:
-            raise H2Error(f"cannot read layer costs: {e.strerror}", file=model) from None
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise H2Error(f"not a layer-cost JSON file ({type(e).__name__}: {e})", file=model,
-                          hint="write one with `h2c ir MODEL.py --json`") from None
+            costs = ModelCosts.from_json(json.loads(text))
+        except RecursionError:
+            raise too_deep(text, model, "layer-cost JSON") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise H2Error(f"not a layer-cost JSON file ({type(e).__name__}: {_short(e)})",
+                          file=model, hint="write one with `h2c ir MODEL.py --json`") from None
         return costs
     try:
         from frontend.capture import model_costs
@@ -125,6 +134,11 @@ def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) ->
         raise H2Error(f"the frontend is not available to trace {model} ({e})",
                       hint="pass a layer-cost JSON file instead") from None
     return model_costs(model, args, micro_batch, seq_len or _default_seq_len(model, args))
+
+
+def _short(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 @dataclass

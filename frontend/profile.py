@@ -31,7 +31,7 @@ import numpy as np
 from backends.calibrate import profile
 from backends.registry import BACKENDS
 from frontend.capture import load_model_file, parse_model_args
-from h2ir.errors import H2Error
+from h2ir.errors import MAX_MICRO_BATCH, MAX_SEQ_LEN, H2Error, int_flag
 from h2ir.planner.calibration import Calibration, load_calibration, record_layer_times
 
 
@@ -183,8 +183,8 @@ def profile_main(argv: list[str]) -> int:
                     "times on each backend (its own compiled programs, one thread) and show the "
                     "per-layer times the planner will use")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH), default=1)
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), default=128)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lark import Lark, Transformer, UnexpectedInput, v_args
 
-from h2ir.errors import H2Error, lark_error, read_user_file
+from h2ir.errors import H2Error, lark_error, read_user_file, too_deep
 from h2ir.graph import Graph, Layer, Node, Value, check_node_types
 from h2ir.types import TensorType
 
@@ -149,7 +149,10 @@ def parse_graph(text: str, file: str = "<string>") -> Graph:
         tree = _parser.parse(text)
     except UnexpectedInput as e:
         raise lark_error(e, text, file, _parser.terminals, _TOKEN_WORDS) from None
-    tree = _Build(file).transform(tree)
+    try:
+        tree = _Build(file).transform(tree)
+    except RecursionError:          # a literal list nested hundreds deep
+        raise too_deep(text, file, "h2ir text") from None
     return _Resolve(file).graph(tree)
 
 
@@ -246,5 +249,8 @@ class _Resolve:
         return n
 
 
+MAX_H2IR_BYTES = 64 << 20      # a 100B model's IR is ~0.5 MB; its stage programs a few MB
+
+
 def load_graph(path: str) -> Graph:
-    return parse_graph(read_user_file(path, "h2ir file"), str(path))
+    return parse_graph(read_user_file(path, "h2ir file", MAX_H2IR_BYTES), str(path))

@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 
 from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
-from h2ir.errors import H2Error, read_user_file
+from h2ir.errors import H2Error, read_user_file, too_deep
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog" / "chips.toml"
 # Built-in clusters live in the repository's examples/clusters; with `pip install -e .` the
@@ -90,8 +90,12 @@ def parse_cluster(text: str, file: str = "<string>", default_name: str | None = 
     if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) for n in nodes):
         r.fail(("nodes",), f"expected one or more [[nodes]] tables, got {_describe(nodes)}")
     groups = []
+    total = 0
     for i, node in enumerate(nodes):
         groups.append(_node_group(r, node, ("nodes", i), chip_types))
+        total += groups[-1].nodes * groups[-1].chips_per_node
+        if total > MAX_CHIPS:
+            r.fail(("nodes", i), f"the cluster has more than {MAX_CHIPS:.0e} chips")
 
     for chip_name, chip in chip_types.items():
         if dtype not in chip.peak_flops:
@@ -215,6 +219,15 @@ def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> Node
     return NodeGroup(**kw)
 
 
+# Upper bounds of the numeric fields (file units): a figure past these is a typo, and the
+# resource model's arithmetic (bytes as int, FLOP/s products) stays finite. Each is far past any
+# chip or network sold.
+_MAX = {"peak_tflops": 1e6, "mem_gib": 1e6, "mem_bw_gbs": 1e7, "price_per_hour": 1e9,
+        "power_w": 1e7, "intra_bw_gbs": 1e7, "nic_gbps": 1e8, "intra_latency_us": 1e9,
+        "inter_latency_us": 1e9, "count": 10 ** 9, "chips_per_node": 10 ** 6,
+        "nics_per_node": 10 ** 6}
+MAX_CHIPS = 10 ** 12            # chips in one cluster, all groups together
+
 _UNIT = {"vendor": "a string", "backend": "op library, e.g. \"torch\"",
          "peak_tflops": "a table dtype -> TFLOP/s", "mem_gib": "GiB", "mem_bw_gbs": "GB/s",
          "price_per_hour": "currency units per hour", "power_w": "watts"}
@@ -245,6 +258,8 @@ def _catalog() -> dict[str, dict]:
 def _parse_toml(text: str, file: str) -> dict:
     try:
         return tomllib.loads(text)
+    except RecursionError:          # arrays or inline tables nested hundreds deep
+        raise too_deep(text, file, "TOML") from None
     except tomllib.TOMLDecodeError as e:
         msg = str(e)
         line = col = None
@@ -308,13 +323,23 @@ class _Reader:
         v = self._get(table, path, True, f"a positive number ({unit})")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             self.fail(path, f"expected a positive number ({unit}), got {_describe(v)}")
+        self._at_most(path, v, unit)
         return v
 
     def count(self, table, path, required):
         v = self._get(table, path, required, "a positive integer")
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             self.fail(path, f"expected a positive integer, got {_describe(v)}")
+        if v is not None:
+            self._at_most(path, v, "")
         return v
+
+    def _at_most(self, path, v, unit):
+        key = path[-2] if len(path) >= 2 and path[-2] == "peak_tflops" else path[-1]
+        hi = _MAX.get(key)
+        if hi is not None and v > hi:
+            self.fail(path, f"{_describe(v)}{' ' + unit if unit else ''} is larger than any "
+                      f"real one (at most {hi:g})")
 
 
 class _KeyLines:

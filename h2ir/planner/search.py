@@ -36,7 +36,7 @@ import numpy as np
 
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
-from h2ir.errors import H2Error
+from h2ir.errors import MAX_MICROBATCHES, H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
 from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time, dtype_bytes,
                        inflight_microbatches, nic_share, p2p_link, replica_geometry)
@@ -538,8 +538,26 @@ class _LayerSplitSearch:
 # ----------------------------------------------------------------------------------------------
 # configurations
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, from its prime factors: O(sqrt n) trial division at worst
+    (a 10^12-chip count: 10^6 steps), not a scan of 1..n."""
+    divs = [1]
+    for p, k in _prime_factors(n).items():
+        divs = [d * p ** e for d in divs for e in range(k + 1)]
+    return sorted(divs)
+
+
+def _prime_factors(n: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    p = 2
+    while p * p <= n:
+        while n % p == 0:
+            out[p] = out.get(p, 0) + 1
+            n //= p
+        p += 1 if p == 2 else 2
+    if n > 1:
+        out[n] = out.get(n, 0) + 1
+    return out
 
 
 def chip_counts(cluster: Cluster) -> dict[str, int]:
@@ -550,7 +568,7 @@ def tp_options(cluster: Cluster, chip: str, per_replica: int, n_heads: int) -> l
     """TP degrees for a chip type: divisors of the heads, at most chips-per-node (Megatron keeps
     TP inside a node, Narayanan et al. SC'21 Sec. 3.3), dividing the chips per replica."""
     g = cluster.group(chip)
-    return [t for t in _divisors(per_replica)
+    return [t for t in divisors(per_replica)
             if t <= g.chips_per_node and (n_heads <= 0 or n_heads % t == 0)]
 
 
@@ -577,7 +595,7 @@ def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, t
     if not moes:
         return None
     E = moes[0].moe.num_experts
-    ep = max(d for d in _divisors(dp) if E % d == 0 and (max_ep is None or d <= max_ep))
+    ep = max(d for d in divisors(dp) if E % d == 0 and (max_ep is None or d <= max_ep))
     if ep <= 1:
         return MoEPlan(ep=1)
     mi = moes[0].moe
@@ -604,19 +622,28 @@ def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batch
         g = math.gcd(g, n)
     chips = sorted(counts)
     out = []
+    too_many = 0
     for mb in micro_batches:
-        for dp in _divisors(g):
+        for dp in divisors(g):
             if dp_options and dp not in dp_options:
                 continue
             if global_batch % (dp * mb):
                 continue
             m = global_batch // (dp * mb)
+            if m > MAX_MICROBATCHES:      # the stream (and its simulation) grows with m
+                too_many += 1
+                continue
             opts = [[t for t in tp_options(cluster, c, counts[c] // dp, costs.n_heads)
                      if max_tp is None or t <= max_tp] for c in chips]
             for tps in itertools.product(*opts):
                 S = sum(counts[c] // (dp * t) for c, t in zip(chips, tps))
                 if 1 <= S <= L:
                     out.append((mb, dp, m, tuple(zip(chips, tps))))
+    if not out and too_many:
+        raise H2Error(f"global batch {global_batch} needs more than {MAX_MICROBATCHES:,} "
+                      f"micro-batches per step at every micro-batch size and dp tried "
+                      f"({', '.join(map(str, micro_batches))})",
+                      hint="lower --global-batch, or raise --micro-batch")
     return out, counts
 
 

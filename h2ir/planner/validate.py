@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
-from h2ir.errors import H2Error
+from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX_SEQ_LEN, H2Error
 from h2ir.planner.resource import stage_memory
+from h2ir.planner.search import divisors
 from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
 
 # how many of a stage's biggest memory consumers an out-of-memory error lists
@@ -78,6 +79,17 @@ class _Validator:
                                  (p.dp, "dp", "dp")):
             if not _is_positive_int(value):
                 self.fail(f"{what} must be a positive integer, got {value!r}", key)
+        for value, hi, key in ((p.global_batch, MAX_GLOBAL_BATCH, "batch.global"),
+                               (p.micro_batch, MAX_MICRO_BATCH, "batch.micro"),
+                               (p.seq_len, MAX_SEQ_LEN, "batch.seq")):
+            if value > hi:                # a typo, not a batch: h2ir/errors.py has the bounds
+                self.fail(f"{key.replace('.', ' ', 1)}={value} is "
+                          f"larger than h2 plans for (at most {hi:,})", key)
+        m = p.global_batch // (p.dp * p.micro_batch)
+        if m > MAX_MICROBATCHES:
+            self.fail(f"global={p.global_batch} over dp {p.dp} x micro={p.micro_batch} is "
+                      f"{m:,} micro-batches per step; at most {MAX_MICROBATCHES:,}", "batch",
+                      hint="raise micro= or dp, or lower global=")
         if not p.stages:
             self.fail("the plan has no stages")
 
@@ -108,7 +120,7 @@ class _Validator:
                 self.fail(f"stage {i}: tp={s.tp} does not divide the model's {heads} attention "
                           f"heads", self._stage_key(i, "tp"),
                           hint="tp must divide the head count: "
-                          + ", ".join(str(d) for d in _divisors(heads)))
+                          + ", ".join(str(d) for d in divisors(heads)))
 
     def chip_totals(self):
         used: dict[str, int] = {}
@@ -237,10 +249,6 @@ class _Validator:
 
 def _is_positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _listing(items: list[int]) -> str:

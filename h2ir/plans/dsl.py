@@ -38,6 +38,7 @@ GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
 MAX_NUMBER = 10 ** 18
 MAX_BLOCK = 99_999
 MAX_LAYER_ENTRIES = 100_000
+MAX_TEXT_CHARS = 16 << 20       # lark's parse tree is ~100x its text
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _BLOCK_RE = re.compile(r"block\.(0|[1-9][0-9]*)")
@@ -55,6 +56,8 @@ _TERMINAL_WORDS = {
 
 def parse_plan(text: str, file: str = "<string>") -> Plan:
     """Parse .h2plan text into a Plan (H2Error with file/line/column on any mistake)."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise H2Error(f"plan text is larger than {MAX_TEXT_CHARS >> 20} MiB", file=file)
     try:
         tree = _parser().parse(text + "\n")
     except UnexpectedInput as e:
