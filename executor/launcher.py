@@ -6,13 +6,13 @@ every worker cleanly when one dies or hangs (naming it and its last instruction)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,12 +24,14 @@ from backends.calibrate import ensure_calibration
 from backends.registry import measured_backends
 from executor import dicomm
 from executor.build import BuildDir
-from executor.checkpoint import latest_complete, mark_complete
+from executor.checkpoint import (build_fingerprint, complete_steps, mark_complete,
+                                 remove_partial_writes, resume_point)
 from executor.data import prepare_data
+from executor.rundir import RunLock, run_temp_dir, writable_dir, writable_file
 from executor.worker import STATUS_FIELDS
 from h2ir.clusters.clusterfile import load_cluster
-from h2ir.errors import H2Error
-from h2ir.planner.simulate import SimResult, simulate_build
+from h2ir.errors import H2Error, InternalError
+from h2ir.planner.simulate import SimResult, program_comm_volumes, simulate_build
 from h2ir.plans.dsl import load_plan
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
@@ -46,6 +48,7 @@ class RunResult:
     step_s: list = field(default_factory=list)
     tokens_per_s: list = field(default_factory=list)
     predicted_step_s: float | None = None
+    sent_bytes: list = field(default_factory=list)      # per step: worker -> {act, grad} bytes
     transport: str = ""
 
 
@@ -86,7 +89,12 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     backends = measured_backends(cluster)
     cal = ensure_calibration(backends) if backends else None
     streams = {w: build.stream(w) for w in range(len(build.workers))}
-    return simulate_build(build.model_costs(), plan, cluster, cal, streams)
+    comm = {}                  # TP stages are timed with their programs' own collectives
+    for s, st in enumerate(build.manifest["stages"]):
+        if any(w["stage"] == s and w.get("tp_group") for w in build.workers):
+            art = build.stage(s)
+            comm[s] = program_comm_volumes(art.fwd, art.bwd)
+    return simulate_build(build.model_costs(), plan, cluster, cal, streams, comm)
 
 
 @dataclass
@@ -100,6 +108,7 @@ class _Run:
     status: np.ndarray
     ckpt_dir: Path
     t0: float
+    fingerprint: str = ""           # of the build, recorded in every checkpoint's COMPLETE
     events: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -116,23 +125,38 @@ def _pick_transport(transport: str, strict: bool, out) -> str:
     return "shm"
 
 
-def _resume_point(ckpt_dir: Path, resume: bool, out) -> tuple[int, Path | None]:
+def _resume_point(ckpt_dir: Path, resume: bool, fingerprint: str, num_workers: int,
+                  out) -> tuple[int, Path | None]:
     if not resume:
         return 0, None
-    found = latest_complete(ckpt_dir)
-    if found is None:
-        raise H2Error("--resume: no complete checkpoint to resume from", str(ckpt_dir))
+    found = resume_point(ckpt_dir, fingerprint, num_workers, out)   # verified; notes fallbacks
     out(f"resuming from {found[1]} (step {found[0]})")
     return found
 
 
-def _start_workers(build: BuildDir, *, steps, start, resume_from, transport, checkpoint_every,
-                   timeout, device, data, out) -> _Run:
+def worker_log_path(build_path, w: int) -> Path:
+    """Worker w's stderr of the latest run, BUILD/logs/stderr_wN.txt: failure messages point
+    users at it, so it is kept after the run (the next run on the build overwrites it)."""
+    return Path(build_path) / "logs" / f"stderr_w{w}.txt"
+
+
+def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace) -> None:
+    """Every path the run writes, proven writable before any worker starts."""
+    writable_dir(worker_log_path(build.path, 0).parent, "the worker log directory")
+    if checkpoint_every:
+        writable_dir(build.path / "ckpt", "the checkpoint directory")
+    if json_log:
+        writable_file(json_log, "the --json-log file")
+    if trace:
+        writable_file(trace, "the --trace file")
+
+
+def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, start, resume_from,
+                   transport, checkpoint_every, timeout, device, data, out) -> _Run:
     m = build.manifest
     W = len(build.workers)
     store = dicomm.host_store("127.0.0.1")
     secret = dicomm.new_secret()
-    run_dir = Path(tempfile.mkdtemp(prefix="h2x-run-"))
     status_path = run_dir / "status.bin"
     status = np.memmap(status_path, dtype=np.float64, mode="w+", shape=(W, STATUS_FIELDS))
     status[:] = 0
@@ -149,19 +173,27 @@ def _start_workers(build: BuildDir, *, steps, start, resume_from, transport, che
     out(f"starting {W} worker(s) [{kinds}] over {transport}; {m['num_microbatches']} micro-batches "
         f"of {m['micro_batch']} x {m['seq_len']} per step ({m['schedule']})")
     ckpt_dir = build.path / "ckpt"
-    run = _Run(build, [], [], store, run_dir, status, ckpt_dir, t0)
-    for w in range(W):
-        cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path), "--worker", str(w),
-               "--store-port", str(store.port), "--steps", str(steps), "--start", str(start),
-               "--transport", transport, "--status", str(status_path), "--run-dir", str(run_dir),
-               "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(ckpt_dir),
-               "--timeout", str(timeout)] + (["--device", device] if device else [])
-        cmd += data.worker_args()
-        if resume_from:
-            cmd += ["--resume-from", str(resume_from)]
-        err = open(run_dir / f"stderr_w{w}.txt", "w")
-        run.errs.append(err)
-        run.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
+    run = _Run(build, [], [], store, run_dir, status, ckpt_dir, t0, fingerprint)
+    try:
+        for w in range(W):
+            cmd = [sys.executable, "-m", "executor.worker", "--build", str(build.path),
+                   "--worker", str(w), "--store-port", str(store.port), "--steps", str(steps),
+                   "--start", str(start), "--transport", transport, "--status", str(status_path),
+                   "--run-dir", str(run_dir), "--checkpoint-every", str(checkpoint_every),
+                   "--checkpoint-dir", str(ckpt_dir),
+                   "--timeout", str(timeout)] + (["--device", device] if device else [])
+            cmd += data.worker_args()
+            if resume_from:
+                cmd += ["--resume-from", str(resume_from)]
+            err = open(worker_log_path(build.path, w), "w")
+            run.errs.append(err)
+            run.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                              env=env))
+    except BaseException:               # no worker outlives a launcher that failed to start them
+        _kill_all(run.procs)
+        for e in run.errs:
+            e.close()
+        raise
     for w, p in enumerate(run.procs):
         threading.Thread(target=_reader, args=(p, w, run.events), daemon=True).start()
     return run
@@ -177,36 +209,66 @@ class _Progress:
         m = run.build.manifest
         self.tokens_per_step = m["global_batch"] * m["seq_len"]
         self.step_reports: dict[int, dict] = {}
-        self.ckpt_reports: dict[int, set] = {}
+        self.ckpt_reports: dict[int, dict] = {}      # step -> {worker: its files' digests}
         self.done: set = set()
+        self.links: list = []
         self.ready = 0
+        self.connected: set = set()     # workers that sent "ready"
+        self.errors: dict = {}          # worker -> its "error" event, in arrival order
+        self.eof: set = set()           # workers whose stdout has ended
         self.last_step_t = None
 
     def on_event(self, w: int, ev: dict):
         kind = ev["event"]
         if kind == "ready":
             self.result.transport = ev.get("transport", self.result.transport)
+            self.connected.add(w)
             self.ready += 1
             if self.ready == self.W:
                 self.out(f"all workers connected in {time.perf_counter() - self.run.t0:.1f} s "
-                         f"(transport {self.result.transport})")
+                         f"(requested transport {self.result.transport})")
         elif kind == "step":
             self.on_step(w, ev)
         elif kind == "checkpoint":
-            got = self.ckpt_reports.setdefault(ev["step"], set())
-            got.add(w)
-            if len(got) == self.W:
-                mark_complete(self.run.ckpt_dir, ev["step"])
+            got = self.ckpt_reports.setdefault(ev["step"], {})
+            got[w] = ev.get("files", {})
+            if len(got) == self.W:      # every worker's files are durable: the step is complete
+                mark_complete(self.run.ckpt_dir, ev["step"], self.run.fingerprint, got)
+                del self.ckpt_reports[ev["step"]]
         elif kind == "done":
             self.done.add(w)
+            self.links += ev.get("links", [])
+            if len(self.done) == self.W:   # the transports the links really used, fallbacks named
+                self.out(dicomm.describe_links(self.links))
+                self.result.transport = ",".join(dict.fromkeys(l["transport"] for l in self.links)) \
+                    or self.result.transport
         elif kind == "log":
             self.out(f"[w{w}] {ev['text']}")
+        elif kind == "error":
+            self.errors.setdefault(w, ev)
+        elif kind == "eof":
+            self.eof.add(w)
+
+    def drain(self, workers, wait_s: float = 1.0):
+        """Take the events still queued, waiting (at most wait_s) until `workers`' stdout has
+        ended: a worker that exited has written its error event, but it may not be read yet."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                w, ev = self.run.events.get(timeout=0.05)
+                self.on_event(w, ev)
+            except queue.Empty:
+                if set(workers) <= self.eof or time.monotonic() > deadline:
+                    return
 
     def on_step(self, w: int, ev: dict):
-        rep = self.step_reports.setdefault(ev["step"], {"workers": set(), "losses": []})
+        rep = self.step_reports.setdefault(ev["step"], {"workers": set(), "losses": [],
+                                                        "sent": {}})
         rep["workers"].add(w)
         if "loss" in ev:
             rep["losses"].append(ev["loss"])
+        if "sent_bytes" in ev:          # boundary bytes each worker sent (TP redistribution)
+            rep["sent"][w] = ev["sent_bytes"]
         if len(rep["workers"]) < self.W:
             return
         now = time.perf_counter()
@@ -217,12 +279,15 @@ class _Progress:
         self.result.losses.append(loss)
         self.result.step_s.append(step_s)
         self.result.tokens_per_s.append(tps)
+        self.result.sent_bytes.append(dict(sorted(rep["sent"].items())))
         s = ev["step"]
         self.out(f"step {s + 1:>4}/{self.steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
                  f"step {step_s:.3f} s" + ("  (includes start-up)" if s == self.start else ""))
         if self.log_f:
             self.log_f.write(json.dumps({"step": s + 1, "loss": loss, "tokens_per_s": tps,
-                                         "step_s": step_s}) + "\n")
+                                         "step_s": step_s,
+                                         "sent_bytes": {f"w{k}": v for k, v in
+                                                        sorted(rep["sent"].items())}}) + "\n")
             self.log_f.flush()
         del self.step_reports[s]
 
@@ -237,11 +302,12 @@ def _supervise(run: _Run, progress: _Progress):
                 w, ev = None, None
             if ev is not None:
                 progress.on_event(w, ev)
-            _check_health(run.build, run.procs, run.status, progress.done, run.run_dir)
+            _check_health(run.build, run.procs, run.status, progress.done, run.run_dir,
+                          progress)
     except RunFailed as e:
         _kill_all(run.procs)
         raise H2Error(str(e)) from None
-    except KeyboardInterrupt:
+    except (H2Error, KeyboardInterrupt):    # e.g. a checkpoint's COMPLETE could not be written
         _kill_all(run.procs)
         raise
     finally:
@@ -271,27 +337,39 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         device: str | None = None, out=print, predict: bool = True, data_format: str = "auto",
         tokenizer: str | None = None, data_max_bytes: int | None = None) -> RunResult:
     build = BuildDir(build_path)
-    transport = _pick_transport(transport, strict_transport, out)
-    start, resume_from = _resume_point(build.path / "ckpt", resume, out)
-    if start >= steps:
-        out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
-        return RunResult()
-    # checked (and text tokenized) here, so bad data is a located error before any worker starts
-    data_spec = prepare_data(build.manifest, build.path / "data", data, data_format, tokenizer,
-                             data_max_bytes, out)
-    sim = _predict(build, out) if predict else None
-    run_ = _start_workers(build, steps=steps, start=start, resume_from=resume_from,
-                          transport=transport, checkpoint_every=checkpoint_every, timeout=timeout,
-                          device=device, data=data_spec, out=out)
-    result = RunResult(transport=transport)
-    log_f = open(json_log, "w") if json_log else None
-    try:
-        _supervise(run_, _Progress(run_, result, steps, start, log_f, out))
-    finally:
-        if log_f:
-            log_f.close()
-    if trace:
-        _write_trace(build, run_.run_dir, trace)
+    with RunLock(build.path):           # a second h2x run on this build refuses here
+        _check_outputs(build, checkpoint_every, json_log, trace)
+        ckpt_dir = build.path / "ckpt"
+        # the lock is held: no writer is running, so a .tmp there was left by a killed one
+        partial = remove_partial_writes(ckpt_dir)
+        if partial:
+            out(f"note: removed {len(partial)} partial checkpoint file(s) left by a stopped run: "
+                + ", ".join(str(p) for p in partial[:4]) + (" ..." if len(partial) > 4 else ""))
+        transport = _pick_transport(transport, strict_transport, out)
+        fingerprint = build_fingerprint(build.path)
+        start, resume_from = _resume_point(ckpt_dir, resume, fingerprint, len(build.workers), out)
+        if start >= steps:
+            out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
+            return RunResult()
+        earlier = complete_steps(ckpt_dir) if checkpoint_every and not resume else []
+        if earlier:
+            out(f"note: {ckpt_dir} holds checkpoints of an earlier run (steps "
+                f"{', '.join(map(str, sorted(earlier)))}); this run rewrites those at the steps "
+                "it checkpoints")
+        # checked (and text tokenized) here, so bad data is a located error before any worker starts
+        data_spec = prepare_data(build.manifest, build.path / "data", data, data_format, tokenizer,
+                                 data_max_bytes, out)
+        sim = _predict(build, out) if predict else None
+        result = RunResult(transport=transport)
+        with run_temp_dir() as run_dir, \
+                (open(json_log, "w") if json_log else contextlib.nullcontext()) as log_f:
+            run_ = _start_workers(build, run_dir=run_dir, fingerprint=fingerprint, steps=steps,
+                                  start=start, resume_from=resume_from, transport=transport,
+                                  checkpoint_every=checkpoint_every, timeout=timeout,
+                                  device=device, data=data_spec, out=out)
+            _supervise(run_, _Progress(run_, result, steps, start, log_f, out))
+            if trace:
+                _write_trace(build, run_dir, trace)
     if sim is not None and len(result.step_s) > 1:
         result.predicted_step_s = sim.step_time_s
         measured = float(np.median(result.step_s[1:]))
@@ -301,7 +379,7 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
     return result
 
 
-def _check_health(build, procs, status, done, run_dir):
+def _check_health(build, procs, status, done, run_dir, progress=None):
     now = time.time()
     failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
     hung = [w for w, p in enumerate(procs) if p.poll() is None and w not in done
@@ -310,17 +388,53 @@ def _check_health(build, procs, status, done, run_dir):
         return
     if failed and not hung:
         # When one worker dies its peers fail too (their receives break): give them a moment,
-        # then blame the root cause, a worker killed by a signal, before the collateral ones.
+        # then blame the root cause before the collateral ones.
         time.sleep(0.3)
         failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
+    errors, connected = {}, None
+    if progress is not None:
+        progress.drain(failed)
+        errors, connected = progress.errors, progress.connected
+    # the root cause: a worker's own error (not a broken link), else one killed by a signal,
+    # else the first broken link reported, else the first to exit
+    own = [w for w in errors if errors[w].get("kind") != "comm" and w in failed]
     killed = [w for w in failed if procs[w].returncode < 0]
+    comm = [w for w in errors if w in failed]
+    if own or (comm and not killed and not hung):
+        _raise_worker_error(build, (own or comm)[0], errors, connected, status)
     if killed or (failed and not hung):
         w = (killed or failed)[0]
         raise RunFailed(_failure(build, w, status, run_dir,
-                                 f"exited with {_describe_rc(procs[w].returncode)}"))
+                                 f"exited with {_describe_rc(procs[w].returncode)}", connected))
     w = hung[0]
     raise RunFailed(_failure(build, w, status, run_dir,
-                             f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)"))
+                             f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)",
+                             connected))
+
+
+def _raise_worker_error(build, w, errors, connected, status):
+    """Worker w's own error event as the run's error: its located message, then which worker
+    said it and when (start-up, or the instruction it was at)."""
+    ev = errors[w]
+    info = build.workers[w]
+    who = f"worker w{w} (stage {info['stage']}, replica {info['replica']}, {info['backend']})"
+    when = "during start-up" if connected is not None and w not in connected else \
+        f"at '{_instruction(build, w, status)}' of step {int(status[w, 1]) + 1}"
+    context = f"reported by {who} {when}; all workers stopped"
+    if ev.get("kind") == "internal":
+        raise InternalError(f"h2x run: {who}", str(ev.get("message", "")), ev.get("report"),
+                            f"{when}; all workers stopped; its log: "
+                            f"{worker_log_path(build.path, w)}")
+    hint = "\n  ".join(h for h in (ev.get("hint"), context) if h)
+    raise H2Error(str(ev.get("message", "failed")), ev.get("file"), ev.get("line"),
+                  ev.get("col"), hint=hint)
+
+
+def _instruction(build, w, status) -> str:
+    try:
+        return str(build.stream(w)[int(status[w, 2])])
+    except (IndexError, H2Error):
+        return "?"
 
 
 def _describe_rc(rc: int) -> str:
@@ -332,20 +446,23 @@ def _describe_rc(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def _failure(build, w, status, run_dir, what: str) -> str:
+def _failure(build, w, status, run_dir, what: str, connected=None) -> str:
     info = build.workers[w]
-    step, pc = int(status[w, 1]), int(status[w, 2])
-    try:
-        instr = str(build.stream(w)[pc])
-    except (IndexError, H2Error):
-        instr = "?"
+    step = int(status[w, 1])
+    if connected is not None and w not in connected:      # it never reached its first instruction
+        where = "during start-up (before it connected to its peers)"
+    else:
+        where = f"last instruction: '{_instruction(build, w, status)}' of step {step + 1}"
     msg = (f"worker w{w} (stage {info['stage']}, replica {info['replica']}, {info['backend']}) {what}; "
-           f"last instruction: '{instr}' of step {step + 1}. All workers stopped.")
-    tail = (run_dir / f"stderr_w{w}.txt")
+           f"{where}. All workers stopped.")
+    tail = worker_log_path(build.path, w)
     if tail.exists():
-        lines = [l for l in tail.read_text().splitlines() if l.strip()][-6:]
+        # its last words, without traceback frames (the full log has them)
+        lines = [l for l in tail.read_text(errors="replace").splitlines() if l.strip()
+                 and not l.startswith((" ", "\t", "Traceback"))][-6:]
         if lines:
             msg += "\n  worker stderr (last lines):\n    " + "\n    ".join(lines)
+        msg += f"\n  full log: {tail}"
     return msg
 
 

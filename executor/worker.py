@@ -32,6 +32,7 @@ from backends.base import run_program
 from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
+from executor.redistribute import TPGroupComm, recv_shares, send_shares
 from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
 from h2ir.opset import DROPOUT_SEED_INPUT, dropout_seed
@@ -59,8 +60,16 @@ class Worker(StreamInterpreter):
         self.sig = st.sig
         self.first, self.last = self.stage_idx == 0, self.stage_idx == self.S - 1
         self.opt = opt
+        # tensor parallelism: this worker is rank tp_rank of its stage's TP group and holds that
+        # rank's shards (h2ir.schedule.streams.WorkerLayout; executor/redistribute.py)
+        self.tp_group = list(w.get("tp_group") or [wid])
+        self.tp_rank = int(w.get("tp_rank", 0))
+        self.tp_comm = TPGroupComm(lambda: self.comm, self.be, self.tp_group, self.tp_rank) \
+            if len(self.tp_group) > 1 else None
+        self.sent_bytes = {"act": 0, "grad": 0}    # boundary bytes this worker sent (per step)
+        weights = build.path / w["weights"] if w.get("weights") else st.weights
         from safetensors.numpy import load_file
-        self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.weights)).items()}
+        self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(weights)).items()}
         self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.consts)).items()}
         self.param_names = list(self.sig["params"])
         # tied parameters (h2ir/schedule/streams.py): copies held here are updated by their owner
@@ -115,7 +124,7 @@ class Worker(StreamInterpreter):
             m = self.build.manifest
             seed = dropout_seed(m["seed"], self.step, self.replica, m["dp"], self.m, mb)
             env[DROPOUT_SEED_INPUT] = self.be.from_numpy(np.array(seed, dtype=np.int64), "i64")
-        outs = run_program(self.st.fwd, self.be, env)
+        outs = run_program(self.st.fwd, self.be, env, comm=self.tp_comm)
         n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
         computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]
         result = dict(zip(computed, outs[:n_out]))
@@ -140,7 +149,7 @@ class Worker(StreamInterpreter):
         for k in self.sig["tangents"]:
             if k != "loss":
                 env[f"grad.{k}"] = received[k]
-        outs = run_program(self.st.bwd, self.be, env)
+        outs = run_program(self.st.bwd, self.be, env, comm=self.tp_comm)
         grads = dict(zip(self.sig["input_grads"], outs))
         add = self.be.ops["add"]
         for k in self.param_names:
@@ -163,15 +172,16 @@ class Worker(StreamInterpreter):
             self.grads_in[mb] = gin
 
     # ---- communication -------------------------------------------------------------------------
+    # one peer, or a TP group: each sender transmits its share (executor/redistribute.py)
     def send_act(self, ins):
         for k, t in self.acts_out.pop(ins.mb).items():
-            self.comm.send(ins.peer, self.be.to_numpy(t), kind=f"act:{k}", mb=ins.mb,
-                           stage=self.stage_idx)
+            self.sent_bytes["act"] += send_shares(self.comm, self.be.to_numpy(t), ins,
+                                                  f"act:{k}", self.stage_idx)
 
     def recv_act(self, ins):
         got = {}
         for k in self.sig["inputs"]:
-            a = self.comm.recv(ins.peer, kind=f"act:{k}", mb=ins.mb)
+            a = recv_shares(self.comm, ins, f"act:{k}", self.in_types[k].shape)
             got[k] = self.be.from_numpy(a, self.in_types[k].dtype)
         self.acts_in[ins.mb] = got
 
@@ -179,12 +189,13 @@ class Worker(StreamInterpreter):
         for k, g in self.grads_in.pop(ins.mb).items():
             t = self.in_types[k]
             arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, host_dtype(t.dtype))
-            self.comm.send(ins.peer, arr, kind=f"grad:{k}", mb=ins.mb, stage=self.stage_idx)
+            self.sent_bytes["grad"] += send_shares(self.comm, arr, ins, f"grad:{k}",
+                                                   self.stage_idx)
 
     def recv_grad(self, ins):
         got = {}
         for k in self.grad_outputs:
-            a = self.comm.recv(ins.peer, kind=f"grad:{k}", mb=ins.mb)
+            a = recv_shares(self.comm, ins, f"grad:{k}", self._type_of(k).shape)
             got[k] = self.be.from_numpy(a, self._type_of(k).dtype)
         self.grads_out[ins.mb] = got
 
@@ -196,13 +207,13 @@ class Worker(StreamInterpreter):
 
     def recv_tied_grads(self, ins):
         add = self.be.ops["add"]
-        for k in self.tied_shared[ins.peer % self.S]:
+        for k in self.tied_shared[self.build.workers[ins.peer]["stage"]]:
             a = self.comm.recv(ins.peer, kind=f"tied_grad:{k}", mb=0)
             self.param_grads[k] = add(self._grad(k), self.be.from_numpy(a, "f32"))
             self.owned_grads.add(k)
 
     def send_tied_params(self, ins):
-        for k in self.tied_shared[ins.peer % self.S]:
+        for k in self.tied_shared[self.build.workers[ins.peer]["stage"]]:
             self.comm.send(ins.peer, np.ascontiguousarray(self.be.to_numpy(self.params[k])),
                            kind=f"tied_param:{k}", mb=0, stage=self.stage_idx)
 
@@ -260,14 +271,16 @@ class Worker(StreamInterpreter):
             t_step = time.perf_counter()
             self.run_stream()
             ev = {"event": "step", "worker": self.wid, "step": step,
-                  "compute_s": time.perf_counter() - t_step}
-            if self.last:
+                  "compute_s": time.perf_counter() - t_step, "sent_bytes": dict(self.sent_bytes)}
+            self.sent_bytes = {"act": 0, "grad": 0}
+            if self.last and self.tp_rank == 0:      # a TP group's ranks hold one loss
                 ev["loss"] = float(np.mean(self.losses))
             self.emit(ev)
             gc.collect(0)
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
-                save_worker_checkpoint(ckpt_dir, step + 1, self)
-                self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1})
+                files = save_worker_checkpoint(ckpt_dir, step + 1, self)   # durable when it returns
+                self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
+                           "files": files})
         self.status[3] = 1
 
 
@@ -330,8 +343,50 @@ def _token_batches(build: BuildDir, wid: int, data: DataSpec) -> TokenBatches | 
 
 
 def main(argv=None) -> int:
+    """Run one worker; whatever stops it is one "error" event for the launcher (the worker's
+    message: kind "user" for an H2Error, "comm" for a broken link, which is often another
+    worker's failure seen from here, "internal" for a bug, whose traceback goes to a crash
+    report named in the event) and an exit code (2 user/comm, 1 internal)."""
     a = _parser().parse_args(argv)
     emit = _event_writer(sys.stdout)
+    try:
+        return _serve(a, emit)
+    except KeyboardInterrupt:          # the launcher (or the terminal) stops us
+        return 130
+    except BaseException as e:         # noqa: BLE001 - every failure becomes one event
+        return _report_failure(a.worker, emit, e)
+
+
+def _report_failure(wid: int, emit, e: BaseException) -> int:
+    from h2ir.errors import crash_report
+    try:
+        from executor.dicomm import CommError
+    except Exception:                  # noqa: BLE001 - DiComm itself may be what failed
+        CommError = ()
+    if isinstance(e, SystemExit):
+        if e.code in (None, 0):
+            return 0
+        e = RuntimeError(f"sys.exit({e.code!r}) inside the worker")
+    ev = {"event": "error", "worker": wid}
+    code = 2
+    if isinstance(e, H2Error):
+        ev.update(kind="comm" if isinstance(e, CommError) else "user", message=e.message,
+                  file=e.file, line=e.line, col=e.col, hint=e.hint)
+    else:
+        report = crash_report(f"h2x worker w{wid}", e)
+        msg = " ".join(str(e).split())
+        ev.update(kind="internal", message=f"{type(e).__name__}: {msg[:300]}", report=report)
+        import traceback
+        traceback.print_exc(file=sys.stderr)       # the worker's log, beside the crash report
+        code = 1
+    try:
+        emit(ev)
+    except (OSError, ValueError):      # the launcher is gone: nobody to tell
+        pass
+    return code
+
+
+def _serve(a, emit) -> int:
     build = BuildDir(a.build)
     W = len(build.workers)
     pin_to_core(a.worker)
@@ -339,11 +394,14 @@ def main(argv=None) -> int:
     _start_heartbeat(status, os.getppid())
     limit_torch_threads()
     data = _token_batches(build, a.worker, DataSpec(a.data, a.data_format, a.data_max_bytes))
+    # the stage is loaded before connecting: a bad stage file is this worker's start-up error,
+    # not its peers' broken handshake
+    worker = Worker(build, a.worker, None, data, build.manifest["optimizer"], emit, status, a.device)
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)
+    worker.comm = comm
     emit({"event": "ready", "worker": a.worker, "transport": getattr(comm, "transport", a.transport)})
-    worker = Worker(build, a.worker, comm, data, build.manifest["optimizer"], emit, status, a.device)
     if a.resume_from:
         load_worker_checkpoint(Path(a.resume_from), worker)
     t_origin = float(os.environ.get("H2_T0", time.perf_counter()))
@@ -353,8 +411,9 @@ def main(argv=None) -> int:
     finally:
         Path(a.run_dir, f"trace_w{a.worker}.json").write_text(json.dumps(worker.trace))
     comm.barrier(list(range(W)))
+    links = [dict(link, src=a.worker) for link in comm.links()]   # what really carried the run
     comm.close()
-    emit({"event": "done", "worker": a.worker})
+    emit({"event": "done", "worker": a.worker, "links": links})
     return 0
 
 

@@ -38,11 +38,13 @@ from backends.registry import get_backend, measured_backends, resolve_stack
 from frontend.capture import parse_model_args, trace_model
 from frontend.profile import record
 from frontend.stages import build_stage_programs
+from frontend.tensor_parallel import shard_weight
 from h2ir.clusters.clusterfile import load_cluster
-from h2ir.errors import H2Error
+from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
+                         int_flag)
 from h2ir.planner import search as heteroauto
 from h2ir.planner.calibration import load_calibration
-from h2ir.planner.simulate import SimResult, simulate_build
+from h2ir.planner.simulate import SimResult, plan_layout, program_comm_volumes, simulate_build
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
 from h2ir.schedule.grid import format_grid
@@ -114,11 +116,7 @@ def _sha256(path: str) -> str:
 
 
 def _executable_check(plan):
-    for i, st in enumerate(plan.stages):
-        if st.tp != 1:
-            raise H2Error(f"stage {i} uses tp={st.tp}: the executor runs tp=1 stages only "
-                          "(tensor parallelism is not executed yet); --dry-run emits the "
-                          "unsharded stage programs and the streams", plan.source, st.line or None)
+    # tp > 1 stages run sharded (frontend/tensor_parallel.py); expert parallelism does not yet
     if plan.moe is not None and plan.moe.ep > 1:
         raise H2Error("expert parallelism (ep > 1) is not executed yet; use --dry-run",
                       plan.source, plan.moe.line or None)
@@ -145,7 +143,9 @@ def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: st
                       f"for op(s): {', '.join(missing)}",
                       hint="place the stage on another chip type, or add the kernels to "
                            f"backends/{backend_name}/")
-    kernels = {op: f"{getattr(be.ops[op], '__module__', '?')}.{getattr(be.ops[op], '__qualname__', op)}"
+    kernels = {op: (f"{getattr(be.ops[op], '__module__', '?')}."
+                    f"{getattr(be.ops[op], '__qualname__', op)}" if op in be.ops
+                    else "comm: the worker's TP group (DiComm)")
                for op in used}
     return {"backend": backend_name, "device": device, "stage": stage, "dtype_policy": dtype_policy,
             "capability_check": "passed", "ops": used, "kernels": kernels}
@@ -281,7 +281,7 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
             "signature": f"stages/stage{s}.json", "kernels": f"stages/stage{s}.kernels.json",
             "weights": None if dry_run else f"weights/stage{s}.safetensors",
             "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
-            "params": len(p.params),
+            "params": len(p.params), "tp": p.tp,
         })
     return stages_meta
 
@@ -304,17 +304,26 @@ def _tied_stage_meta(costs, plan, progs) -> list[dict | None]:
 
 
 def _write_streams(out: Path, plan, costs, stages_meta) -> tuple[dict, list[dict]]:
-    """One instruction-stream file per worker; returns the streams and the manifest's workers."""
+    """One instruction-stream file per worker; returns the streams and the manifest's workers
+    (each with its replica, stage and TP rank: h2ir.schedule.streams.WorkerLayout)."""
     ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
+    lay = plan_layout(plan)
     streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp,
-                            ties=ties)
+                            ties=ties, tp=lay.tps)
     workers = []
     for w, instrs in streams.items():
-        r, s = divmod(w, len(plan.stages))
+        r, s, k = lay.where(w)
+        tp = lay.tps[s]
         (out / f"streams/w{w}.txt").write_text(
-            f"# worker {w}: replica {r}, stage {s} ({stages_meta[s]['backend']})\n" + format_stream(instrs))
-        workers.append({"id": w, "replica": r, "stage": s, "chip": plan.stages[s].chip,
-                        "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt"})
+            f"# worker {w}: replica {r}, stage {s}" + (f", tp rank {k} of {tp}" if tp > 1 else "")
+            + f" ({stages_meta[s]['backend']})\n" + format_stream(instrs))
+        entry = {"id": w, "replica": r, "stage": s, "chip": plan.stages[s].chip,
+                 "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt"}
+        if tp > 1:
+            entry.update(tp_rank=k, tp_group=list(lay.tp_group(r, s)),
+                         weights=stages_meta[s]["weights"] and
+                         f"weights/stage{s}.tp{k}.safetensors")
+        workers.append(entry)
     return streams, workers
 
 
@@ -358,7 +367,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         f"({time.perf_counter() - t0:.1f} s so far) ...")
     try:
         progs = build_stage_programs(cap, [list(s.layers) for s in plan.stages],
-                                     name=cap.model_file.name)
+                                     name=cap.model_file.name, tp=[s.tp for s in plan.stages])
     except H2Error as e:          # an op met only in a backward program: locate it in the model
         raise cap.locate(e) from None
 
@@ -372,7 +381,8 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     if not dry_run:
         _write_weights(cap, progs, model_path, model_args, seed, out)
     streams, workers = _write_streams(out, plan, costs, stages_meta)
-    sim = simulate_build(costs, plan, cluster, cal, streams)
+    sim = simulate_build(costs, plan, cluster, cal, streams,
+                         {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs})
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
@@ -385,6 +395,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
 def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     """Initial weights: the model built for real on the CPU with `seed` (the same init an eager
     run with that seed gets), split per stage."""
+    import numpy as np
     import torch
     from safetensors.numpy import save_file
 
@@ -395,6 +406,11 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     for p in progs:
         save_file({k: params[k].detach().numpy().copy() for k in p.params},
                   str(out / f"weights/stage{p.index}.safetensors"))
+        for r in range(p.tp if p.tp > 1 else 0):       # each TP rank's shards
+            save_file({k: np.ascontiguousarray(shard_weight(params[k].detach().numpy(),
+                                                            p.sharding.get(k), p.tp, r))
+                       for k in p.params},
+                      str(out / f"weights/stage{p.index}.tp{r}.safetensors"))
         save_file({k: buffers[k].detach().numpy().copy() for k in p.consts},
                   str(out / f"weights/stage{p.index}.consts.safetensors"))
 
@@ -416,10 +432,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
     ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=None)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH), default=16)
+    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
+                    default=None, metavar="N|auto", help="sequences per micro-batch "
+                    "(default: auto, searched with --plan auto)")
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), default=128)
+    ap.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0)
     ap.add_argument("--dry-run", action="store_true", help="programs and streams only, no weights")
     ap.add_argument("-o", "--output", default="build")
     a = ap.parse_args(argv)
@@ -431,5 +449,14 @@ def main(argv: list[str]) -> int:
         print(f"  stage {p.index}: {st.chip} ({st.chips} chip(s), tp={st.tp}) layers "
               f"{p.layers[0]}..{p.layers[-1]}: {sum(1 for _ in p.fwd.nodes())} fwd / "
               f"{sum(1 for _ in p.bwd.nodes())} bwd ops")
+        if p.tp > 1:
+            n_ar = [sum(1 for n in g.nodes() if n.op == "tp_all_reduce") for g in (p.fwd, p.bwd)]
+            print(f"    tensor parallel over {p.tp} ranks: {n_ar[0]} fwd / {n_ar[1]} bwd "
+                  "TP all-reduces")
+            for kind in ("column", "row", "vocab", "replicated"):
+                names = [k for k, v in p.sharding.items() if v.kind == kind]
+                if names:
+                    print(f"    {kind}{'-parallel' if kind != 'replicated' else ''}: "
+                          f"{', '.join(names)}")
     print(f"wrote {res.out_dir}/ in {res.seconds:.1f} s")
     return 0
