@@ -79,6 +79,18 @@ class BuildDir:
     def workers(self) -> list[dict]:
         return self.manifest["workers"]
 
+    @property
+    def hosts(self) -> list[list[int]]:
+        """The worker ids on each host (manifest `workers[i].host`, h2c's chip assignment),
+        in id order: under torchrun, host h's local rank k runs hosts[h][k]."""
+        out: list[list[int]] = []
+        for w in self.workers:
+            h = w.get("host", 0)
+            while len(out) <= h:
+                out.append([])
+            out[h].append(w["id"])
+        return out
+
     def stage(self, s: int) -> StageArtifacts:
         st = self.manifest["stages"][s]
         sig_path = self.path / st["signature"]
@@ -214,6 +226,13 @@ class _ManifestCheck:
             self.integer(w, "stage", 0, len(stages) - 1, f + ".stage")
             self.string(w, "backend", f + ".backend")
             self.file_in_build(w, "stream", f + ".stream")
+            if "host" in w:             # absent in builds of older h2c: every worker on host 0
+                self.integer(w, "host", 0, MAX_WORKERS, f + ".host")
+        used = sorted({w.get("host", 0) for w in workers})
+        if used != list(range(len(used))):
+            missing = sorted(set(range(used[-1] + 1)) - set(used))
+            self.fail("host", f"workers are on hosts {used}: host {missing[0]} has none (hosts "
+                      "are numbered 0..N-1 with at least one worker each)")
 
 
 def _check_signature(sig, path: Path) -> None:

@@ -48,7 +48,7 @@ from h2ir.planner.simulate import SimResult, plan_layout, program_comm_volumes, 
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
 from h2ir.schedule.grid import format_grid
-from h2ir.schedule.streams import build_streams, format_stream, tied_stage_groups
+from h2ir.schedule.streams import build_streams, format_stream, tied_stage_groups, worker_hosts
 from h2ir.text import print_graph
 
 FORMAT = "h2-build/1"
@@ -303,13 +303,16 @@ def _tied_stage_meta(costs, plan, progs) -> list[dict | None]:
     return [m if m["copies"] or m["shared"] else None for m in meta]
 
 
-def _write_streams(out: Path, plan, costs, stages_meta) -> tuple[dict, list[dict]]:
+def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, list[dict]]:
     """One instruction-stream file per worker; returns the streams and the manifest's workers
-    (each with its replica, stage and TP rank: h2ir.schedule.streams.WorkerLayout)."""
+    (each with its replica, stage and TP rank: h2ir.schedule.streams.WorkerLayout, and the host
+    its chip is on: h2ir.schedule.streams.worker_hosts, which `h2x run --nnodes` maps processes
+    by)."""
     ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
     lay = plan_layout(plan)
     streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp,
                             ties=ties, tp=lay.tps)
+    hosts = worker_hosts(lay, [st.chip for st in plan.stages], cluster)
     workers = []
     for w, instrs in streams.items():
         r, s, k = lay.where(w)
@@ -318,7 +321,8 @@ def _write_streams(out: Path, plan, costs, stages_meta) -> tuple[dict, list[dict
             f"# worker {w}: replica {r}, stage {s}" + (f", tp rank {k} of {tp}" if tp > 1 else "")
             + f" ({stages_meta[s]['backend']})\n" + format_stream(instrs))
         entry = {"id": w, "replica": r, "stage": s, "chip": plan.stages[s].chip,
-                 "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt"}
+                 "backend": stages_meta[s]["backend"], "stream": f"streams/w{w}.txt",
+                 "host": hosts[w]}
         if tp > 1:
             entry.update(tp_rank=k, tp_group=list(lay.tp_group(r, s)),
                          weights=stages_meta[s]["weights"] and
@@ -380,7 +384,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         m["tied"] = tied
     if not dry_run:
         _write_weights(cap, progs, model_path, model_args, seed, out)
-    streams, workers = _write_streams(out, plan, costs, stages_meta)
+    streams, workers = _write_streams(out, plan, costs, stages_meta, cluster)
     sim = simulate_build(costs, plan, cluster, cal, streams,
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs})
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))

@@ -38,6 +38,8 @@ class NodeGroup:
     nic_bw: float = 12.5e9             # per NIC, B/s
     intra_latency: float = 5e-6        # s
     inter_latency: float = 10e-6       # s
+    iface: str | None = None           # network interface h2x workers listen on (None: the one
+                                       # that routes to the rendezvous host)
 
     @property
     def chips(self) -> int:

@@ -52,7 +52,7 @@ _CHIP_KEYS = ("base", "vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs
 _CATALOG_KEYS = tuple(k for k in _CHIP_KEYS if k != "base")
 _REQUIRED_CHIP_KEYS = ("vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs")
 _NODE_KEYS = ("chip", "count", "chips_per_node", "intra_bw_gbs", "nics_per_node", "nic_gbps",
-              "intra_latency_us", "inter_latency_us")
+              "intra_latency_us", "inter_latency_us", "iface")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,6 +216,12 @@ def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> Node
     for key, field in (("intra_latency_us", "intra_latency"), ("inter_latency_us", "inter_latency")):
         if key in node:
             kw[field] = r.positive(node, path + (key,), "microseconds") * 1e-6
+    if "iface" in node:         # an interface name, as `ip link` lists it (Linux: at most 15 bytes)
+        iface = r.string(node, path + ("iface",), required=True)
+        if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", iface):
+            r.fail(path + ("iface",), f"'{iface}' is not a network interface name (1-15 of "
+                   "letters, digits and _ . : @ -)")
+        kw["iface"] = iface
     return NodeGroup(**kw)
 
 

@@ -89,6 +89,30 @@ class WorkerLayout:
         return tuple(self.wid(q, stage, rank) for q in range(self.dp))
 
 
+def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[int]:
+    """The host (node) index of every worker, from the cluster's chip assignment: hosts are
+    numbered over the node groups in file order, then node by node (a group of `count` nodes
+    with `chips_per_node` chips each); each worker, in id order, takes the next free chip of its
+    stage's chip type. Replica-major ids put a replica's stages on consecutive chips, so a
+    pipeline stays inside a host when it fits, and a stage's TP ranks (consecutive ids) share
+    one. A cluster with too few chips of a type (not a valid plan) wraps around."""
+    free: dict[str, list[int]] = {}
+    host = 0
+    for g in cluster.groups:
+        for _ in range(g.nodes):
+            free.setdefault(g.chip, []).extend([host] * g.chips_per_node)
+            host += 1
+    taken: dict[str, int] = {}
+    hosts = []
+    for w in range(layout.num_workers):
+        chip = stage_chips[layout.where(w)[1]]
+        chips = free.get(chip) or [0]
+        k = taken.get(chip, 0)
+        taken[chip] = k + 1
+        hosts.append(chips[k % len(chips)])
+    return hosts
+
+
 def share_dim(shape: tuple) -> int:
     """The dim a boundary tensor is split along when TP senders each transmit a share: the
     largest (the first of equals), so shares stay even; both ends compute it from the type."""
