@@ -111,10 +111,32 @@ def writable_file(path: str | Path, what: str) -> Path:
     return path
 
 
+_TEMP_PREFIX = "h2x-run-"
+
+
+def _sweep_stale_temp_dirs() -> None:
+    """Remove scratch directories of earlier runs whose launcher is gone (a SIGKILLed launcher
+    cannot clean up after itself). The owner's pid is the first part of the name; only
+    directories of dead pids are touched."""
+    for d in Path(tempfile.gettempdir()).glob(_TEMP_PREFIX + "*"):
+        pid = d.name[len(_TEMP_PREFIX):].split("-")[0]
+        if not pid.isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue                # still running (or another user's: not ours to remove)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 @contextlib.contextmanager
 def run_temp_dir():
-    """The run's scratch directory, removed when the run ends however it ends."""
-    d = Path(tempfile.mkdtemp(prefix="h2x-run-"))
+    """The run's scratch directory, removed when the run ends however it ends; leftovers of
+    killed earlier launchers are removed first."""
+    _sweep_stale_temp_dirs()
+    d = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-"))
     try:
         yield d
     finally:
