@@ -35,7 +35,7 @@ from pathlib import Path
 from backends.base import missing_kernels
 from backends.calibrate import ensure_calibration
 from backends.registry import get_backend, measured_backends, resolve_stack
-from frontend.capture import parse_model_args, trace_model
+from frontend.capture import load_model_file, parse_model_args, trace_model
 from frontend.profile import record
 from frontend.stages import build_stage_programs
 from frontend.tensor_parallel import shard_weight
@@ -177,6 +177,7 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
     plan's micro-batch if the search chose another. Also returns the calibration used."""
     mb_trace = inp.micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
+    load_model_file(model_path)     # a missing or broken model file is told before any measuring
     if inp.plan is None:      # the search ranks plans with measured layer times
         ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
     cal = cluster_calibration(inp.cluster)
