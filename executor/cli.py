@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from h2ir.errors import float_flag, int_flag, run_subcommand
+from h2ir.errors import H2Error, float_flag, int_flag, run_subcommand
 
 MAX_STEPS = 10 ** 12            # steps are counted in float64 status slots: exact below 2**53
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: a longer communication timeout is a typo
@@ -22,10 +22,11 @@ SUBCOMMANDS = {
 }
 
 
-def run_main(argv: list[str]) -> int:
+def run_parser(prog: str = "h2x run") -> argparse.ArgumentParser:
+    """h2x run's flags; `python -m executor.run` (the per-worker process under torchrun) reads
+    the same ones."""
     from executor.data import FORMATS, MAX_BYTES
-    from executor.launcher import run
-    ap = argparse.ArgumentParser(prog="h2x run", description="Train from a build directory.")
+    ap = argparse.ArgumentParser(prog=prog, description="Train from a build directory.")
     ap.add_argument("build", help="build directory written by `h2c compile`")
     ap.add_argument("--steps", type=int_flag(1, MAX_STEPS), default=20,
                     help="train until this step (default 20)")
@@ -45,19 +46,59 @@ def run_main(argv: list[str]) -> int:
     ap.add_argument("--trace", default=None, help="write the measured Chrome/Perfetto trace to FILE")
     ap.add_argument("--checkpoint-every", type=int_flag(0, MAX_STEPS), default=0, metavar="K",
                     help="save a checkpoint every K steps (default 0: never)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    ap.add_argument("--transport", default="shm", choices=["tcp", "shm", "rdma"])
+    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="where checkpoints go (default BUILD/ckpt); multi-host: a directory "
+                    "every host sees (each host writes its own workers' files)")
+    ap.add_argument("--resume", nargs="?", const="yes", default=None, choices=["yes", "auto"],
+                    help="continue from the newest complete checkpoint; `--resume auto`: if "
+                    "there is one (a torchrun restart resumes automatically)")
+    ap.add_argument("--transport", default="shm", choices=["tcp", "shm", "rdma"],
+                    help="between the workers of one host (default shm); between hosts tcp "
+                    "(rdma where a device is), chosen per link")
     ap.add_argument("--strict-transport", action="store_true",
                     help="refuse to run if the asked transport is unavailable (default: fall back)")
     ap.add_argument("--timeout", type=float_flag(0, MAX_TIMEOUT_S, lo_open=True), default=10.0,
                     help="communication timeout, seconds (default 10)")
     ap.add_argument("--device", default=None, help="torch device for torch-backend stages "
                     "(default: the one compiled in, e.g. cpu)")
-    a = ap.parse_args(argv)
+    mh = ap.add_argument_group("multi-host (torchrun; docs/executor.md)")
+    mh.add_argument("--nnodes", type=int_flag(1, 1 << 16), default=None, metavar="N",
+                    help="hosts in the run: start this host's torchrun agent")
+    mh.add_argument("--node-rank", type=int_flag(0, 1 << 16), default=None, metavar="I",
+                    help="this host's index in the build (0: hosts the rendezvous)")
+    mh.add_argument("--master", default=None, metavar="HOST:PORT",
+                    help="node rank 0's address and the rendezvous port")
+    mh.add_argument("--max-restarts", type=int_flag(0, 1000), default=0, metavar="R",
+                    help="torchrun restarts of the whole job after a failure (default 0)")
+    mh.add_argument("--rdzv-id", default=None, metavar="ID",
+                    help="the job's rendezvous id (default: from the build's fingerprint)")
+    mh.add_argument("--iface", default=None, metavar="NAME",
+                    help="network interface workers listen on (default: the cluster file's "
+                    "node iface, else the one that routes to the rendezvous host)")
+    mh.add_argument("--secret-file", default=None, metavar="PATH",
+                    help="the run secret every host shares (else env H2_SECRET)")
+    return ap
+
+
+def run_main(argv: list[str]) -> int:
+    a = run_parser().parse_args(argv)
+    if a.nnodes is not None:
+        from executor.run import launch
+        return launch(a, argv)
+    if a.iface or a.secret_file or a.node_rank is not None or a.master:
+        raise H2Error("--iface, --secret-file, --node-rank and --master go with --nnodes "
+                      "(a multi-host run)")
+    from executor.launcher import run
+    if a.resume == "auto":
+        from executor.checkpoint import complete_steps
+        from pathlib import Path
+        root = Path(a.checkpoint_dir) if a.checkpoint_dir else Path(a.build) / "ckpt"
+        a.resume = "yes" if complete_steps(root) else None
     run(a.build, steps=a.steps, data=a.data, data_format=a.data_format, tokenizer=a.tokenizer,
         data_max_bytes=a.data_max_bytes, json_log=a.json_log, trace=a.trace,
-        checkpoint_every=a.checkpoint_every, resume=a.resume, transport=a.transport,
-        strict_transport=a.strict_transport, timeout=a.timeout, device=a.device)
+        checkpoint_every=a.checkpoint_every, resume=bool(a.resume), transport=a.transport,
+        strict_transport=a.strict_transport, timeout=a.timeout, device=a.device,
+        checkpoint_dir=a.checkpoint_dir)
     return 0
 
 

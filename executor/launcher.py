@@ -140,11 +140,12 @@ def worker_log_path(build_path, w: int) -> Path:
     return Path(build_path) / "logs" / f"stderr_w{w}.txt"
 
 
-def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace) -> None:
+def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace,
+                   ckpt_dir: Path | None = None) -> None:
     """Every path the run writes, proven writable before any worker starts."""
     writable_dir(worker_log_path(build.path, 0).parent, "the worker log directory")
     if checkpoint_every:
-        writable_dir(build.path / "ckpt", "the checkpoint directory")
+        writable_dir(ckpt_dir or build.path / "ckpt", "the checkpoint directory")
     if json_log:
         writable_file(json_log, "the --json-log file")
     if trace:
@@ -152,7 +153,8 @@ def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace) -> N
 
 
 def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, start, resume_from,
-                   transport, checkpoint_every, timeout, device, data, out) -> _Run:
+                   transport, checkpoint_every, timeout, device, data, out,
+                   ckpt_dir: Path) -> _Run:
     m = build.manifest
     W = len(build.workers)
     store = dicomm.host_store("127.0.0.1")
@@ -172,7 +174,6 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
     kinds = ", ".join(f"w{w['id']}: stage {w['stage']} {w['backend']}" for w in build.workers)
     out(f"starting {W} worker(s) [{kinds}] over {transport}; {m['num_microbatches']} micro-batches "
         f"of {m['micro_batch']} x {m['seq_len']} per step ({m['schedule']})")
-    ckpt_dir = build.path / "ckpt"
     run = _Run(build, [], [], store, run_dir, status, ckpt_dir, t0, fingerprint)
     try:
         for w in range(W):
@@ -335,11 +336,12 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
         transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
         device: str | None = None, out=print, predict: bool = True, data_format: str = "auto",
-        tokenizer: str | None = None, data_max_bytes: int | None = None) -> RunResult:
+        tokenizer: str | None = None, data_max_bytes: int | None = None,
+        checkpoint_dir: str | None = None) -> RunResult:
     build = BuildDir(build_path)
     with RunLock(build.path):           # a second h2x run on this build refuses here
-        _check_outputs(build, checkpoint_every, json_log, trace)
-        ckpt_dir = build.path / "ckpt"
+        ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else build.path / "ckpt"
+        _check_outputs(build, checkpoint_every, json_log, trace, ckpt_dir)
         # the lock is held: no writer is running, so a .tmp there was left by a killed one
         partial = remove_partial_writes(ckpt_dir)
         if partial:
@@ -366,7 +368,7 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
             run_ = _start_workers(build, run_dir=run_dir, fingerprint=fingerprint, steps=steps,
                                   start=start, resume_from=resume_from, transport=transport,
                                   checkpoint_every=checkpoint_every, timeout=timeout,
-                                  device=device, data=data_spec, out=out)
+                                  device=device, data=data_spec, out=out, ckpt_dir=ckpt_dir)
             _supervise(run_, _Progress(run_, result, steps, start, log_f, out))
             if trace:
                 _write_trace(build, run_dir, trace)

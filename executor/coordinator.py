@@ -1,0 +1,204 @@
+"""The launcher's roles in a multi-host run (executor/run.py): a thread in worker 0's process.
+
+It holds the build's run lock, decides where the run starts (a resume, also automatically after
+a torchrun restart), checks the data, and publishes that as the `plan` record every worker waits
+for. Then it reads every worker's events (`ev/<w>/<n>`) into the single-host launcher's
+`_Progress` (progress lines, --json-log, COMPLETE once every worker's checkpoint files are
+durable) and every worker's heartbeat record (`hb/<w>`). What stops a run, and how it is named:
+
+- a worker's own error (not a broken link): its located message, who said it and where;
+- a worker whose heartbeat stopped changing for HANG_AFTER_S: hung, or its process died;
+- every worker of one host silent: that host is lost (killed, or its link cut);
+- otherwise the first broken link reported.
+
+A broken link is usually the other end's failure, so after one the coordinator waits until a
+silent peer would be declared silent before it blames anyone. The verdict goes to the console
+and into the `stop` record, which every worker's heartbeat obeys.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from executor import launcher
+from executor.checkpoint import build_fingerprint, complete_steps, remove_partial_writes, \
+    resume_point
+from executor.data import prepare_data
+from executor.rundir import RunLock
+from executor.run import HANG_AFTER_S, HEARTBEAT_S, STARTUP_S
+from h2ir.errors import H2Error, InternalError, internal_error_text
+
+POLL_S = 0.1
+
+
+class Coordinator(threading.Thread):
+    def __init__(self, build, a, env, records, stop, console):
+        super().__init__(daemon=True, name="h2x-coordinator")
+        self.build, self.a, self.env, self.records, self.stop, self.console = \
+            build, a, env, records, stop, console
+        self.W = len(build.workers)
+        self.result = launcher.RunResult()
+
+    def out(self, text: str) -> None:
+        print(text, flush=True)
+
+    def run(self):
+        try:
+            self._run()
+        except H2Error as e:
+            self._fail(str(e))
+        except InternalError as e:
+            self._fail(f"{e.prog}: internal error: {e.message}\n  this is a bug in h2; "
+                       + (f"the traceback is in {e.report}" if e.report else "see its log")
+                       + (f"\n  {e.context}" if e.context else ""))
+        except BaseException as e:          # noqa: BLE001 - a bug here stops the run, named
+            from h2ir.errors import crash_report
+            self._fail(internal_error_text("h2x run coordinator", e,
+                                           crash_report("h2x run coordinator", e)))
+
+    def _fail(self, message: str) -> None:
+        with contextlib.suppress(Exception):
+            self.records.put("stop", {"message": message})
+        self.stop(message)
+
+    # ---- start ------------------------------------------------------------------------------------
+    def _start_point(self, ckpt_dir: Path, fingerprint: str) -> tuple[int, Path | None]:
+        a, out = self.a, self.out
+        mode = a.resume or ("auto" if self.env.restart_count > 0 else None)
+        if mode == "auto" and not complete_steps(ckpt_dir):
+            if self.env.restart_count > 0:
+                out(f"restart {self.env.restart_count}: no complete checkpoint in {ckpt_dir}; "
+                    "starting from step 0")
+            return 0, None
+        if not mode:
+            return 0, None
+        if self.env.restart_count > 0:
+            out(f"restart {self.env.restart_count} (torchrun): resuming automatically")
+        return launcher._resume_point(ckpt_dir, True, fingerprint, self.W, out)
+
+    def _run(self):
+        a, build, out = self.a, self.build, self.out
+        ckpt_dir = Path(a.checkpoint_dir) if a.checkpoint_dir else build.path / "ckpt"
+        with RunLock(build.path):
+            launcher._check_outputs(build, a.checkpoint_every, a.json_log, None, ckpt_dir)
+            partial = remove_partial_writes(ckpt_dir)
+            if partial:
+                out(f"note: removed {len(partial)} partial checkpoint file(s) left by a "
+                    "stopped run")
+            transport = launcher._pick_transport(a.transport, a.strict_transport, out)
+            fingerprint = build_fingerprint(build.path)
+            start, resume_from = self._start_point(ckpt_dir, fingerprint)
+            data = prepare_data(build.manifest, build.path / "data", a.data, a.data_format,
+                                a.tokenizer, a.data_max_bytes, out)
+            sim = launcher._predict(build, out)
+            hosts = build.hosts
+            out(f"starting {self.W} worker(s) on {len(hosts)} host(s) ["
+                + "; ".join(f"host {h}: " + ", ".join(
+                    f"w{w} stage {build.workers[w]['stage']}" for w in ws)
+                    for h, ws in enumerate(hosts))
+                + f"] over {transport} (tcp between hosts); run {self.env.run_id}"
+                + (f", restart {self.env.restart_count}" if self.env.restart_count else ""))
+            if start >= a.steps:
+                out(f"nothing to do: checkpoint is at step {start}, --steps is {a.steps}")
+            self.records.put("plan", {
+                "start": min(start, a.steps), "resume_from": str(resume_from) if resume_from else None,
+                "transport": transport, "checkpoint_dir": str(ckpt_dir),
+                "data": data.path, "data_format": data.format, "data_max_bytes": data.max_bytes})
+            with (open(a.json_log, "a" if start else "w") if a.json_log
+                  else contextlib.nullcontext()) as log_f:
+                run = launcher._Run(build, [], [], None, None, np.zeros((self.W, 4)), ckpt_dir,
+                                    time.perf_counter(), fingerprint)
+                progress = launcher._Progress(run, self.result, a.steps, start, log_f, out)
+                self._pump(run, progress)
+            self.records.put("finished", {"ok": True})
+        if sim is not None and len(self.result.step_s) > 1:
+            measured = float(np.median(self.result.step_s[1:]))
+            out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
+                f"(median of steps 2..{len(self.result.step_s)}), error "
+                f"{(sim.step_time_s - measured) / measured:+.1%}")
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def _pump(self, run, progress):
+        W, rec = self.W, self.records
+        next_ev = [0] * W
+        hb_n = [None] * W
+        hb: list[dict] = [{} for _ in range(W)]
+        changed = [time.monotonic()] * W
+        t_start = time.monotonic()
+        next_hb = 0.0
+        trouble_since = None
+        while len(progress.done) < W:
+            for w in range(W):
+                while rec.has(f"ev/{w}/{next_ev[w]}"):
+                    ev = rec.get(f"ev/{w}/{next_ev[w]}", f"worker w{w}'s event")
+                    next_ev[w] += 1
+                    progress.on_event(w, ev)
+            now = time.monotonic()
+            if now >= next_hb:
+                next_hb = now + HEARTBEAT_S
+                for w in range(W):
+                    if rec.has(f"hb/{w}"):
+                        r = rec.get(f"hb/{w}", f"worker w{w}'s heartbeat")
+                        if r.get("n") != hb_n[w]:
+                            hb_n[w], hb[w], changed[w] = r.get("n"), r, now
+                            run.status[w, 1:4] = (r.get("step", 0), r.get("pc", 0), r.get("state", 0))
+            silent = [w for w in range(W) if w not in progress.done
+                      and (now - changed[w] > HANG_AFTER_S if hb_n[w] is not None
+                           else now - t_start > STARTUP_S)]
+            errors = progress.errors
+            if (silent or errors) and trouble_since is None:
+                trouble_since = now
+            if trouble_since is not None:
+                own = [w for w in errors if errors[w].get("kind") != "comm"]
+                waited = now - trouble_since
+                # after a broken link, wait until a dead or cut-off peer would show as silent
+                settle = 1.0 if silent else HANG_AFTER_S + 1.5
+                if (own and waited > 0.3) or waited > settle:
+                    self._verdict(run, progress, own, silent, hb, changed, now)
+            time.sleep(POLL_S)
+
+    def _verdict(self, run, progress, own, silent, hb, changed, now):
+        build, errors = self.build, progress.errors
+        if own:
+            w = own[0]
+            try:
+                launcher._raise_worker_error(build, w, errors, progress.connected, run.status)
+            except H2Error as e:
+                e.hint = (e.hint or "") + self._on_host(w, hb)
+                raise
+        if silent:
+            by_host: dict[int, list[int]] = {}
+            for w, h in enumerate(build.workers):
+                by_host.setdefault(hb[w].get("host", h.get("host", 0)), []).append(w)
+            for h, ws in sorted(by_host.items()):
+                if all(w in silent for w in ws):
+                    age = min(now - changed[w] for w in ws)
+                    name = next((hb[w]["hostname"] for w in ws if hb[w].get("hostname")), "?")
+                    addr = next((hb[w]["addr"] for w in ws if hb[w].get("addr")), "?")
+                    last = "; ".join(f"w{w} at '{launcher._instruction(build, w, run.status)}' "
+                                     f"of step {int(run.status[w, 1]) + 1}" for w in ws)
+                    raise H2Error(
+                        f"host {h} ({name}, {addr}) lost: no heartbeat from any of its workers "
+                        f"({' '.join(f'w{w}' for w in ws)}) for {age:.1f} s — its processes "
+                        f"died or its network is cut; last: {last}. All workers stopped.",
+                        hint="with torchrun's --max-restarts the job restarts once the host is "
+                             "back and resumes from the newest complete checkpoint")
+            w = silent[0]
+            info = build.workers[w]
+            raise H2Error(
+                f"worker w{w} (stage {info['stage']}, replica {info['replica']}, "
+                f"{info['backend']}){self._on_host(w, hb, ' on')} stopped responding (no "
+                f"heartbeat for {now - changed[w]:.1f} s: hung, or its process died); last "
+                f"instruction: '{launcher._instruction(build, w, run.status)}' of step "
+                f"{int(run.status[w, 1]) + 1}. All workers stopped.")
+        w = next(iter(errors))
+        launcher._raise_worker_error(build, w, errors, progress.connected, run.status)
+
+    @staticmethod
+    def _on_host(w, hb, prefix="; on") -> str:
+        r = hb[w]
+        return f"{prefix} host {r['host']} ({r.get('hostname', '?')})" if "host" in r else ""
