@@ -32,7 +32,7 @@ from executor.rundir import RunLock
 from executor.run import HANG_AFTER_S, HEARTBEAT_S, STARTUP_S
 from h2ir.errors import H2Error, InternalError, internal_error_text
 
-POLL_S = 0.1
+POLL_S = 0.02           # step lines are timed by when the events arrive
 
 
 class Coordinator(threading.Thread):
@@ -114,6 +114,7 @@ class Coordinator(threading.Thread):
                                     time.perf_counter(), fingerprint)
                 progress = launcher._Progress(run, self.result, a.steps, start, log_f, out)
                 self._pump(run, progress)
+            out(self._links_by_host(progress.links))
             self.records.put("finished", {"ok": True})
         if sim is not None and len(self.result.step_s) > 1:
             measured = float(np.median(self.result.step_s[1:]))
@@ -197,6 +198,19 @@ class Coordinator(threading.Thread):
                 f"{int(run.status[w, 1]) + 1}. All workers stopped.")
         w = next(iter(errors))
         launcher._raise_worker_error(build, w, errors, progress.connected, run.status)
+
+    def _links_by_host(self, links: list[dict]) -> str:
+        """"links within hosts: 4 shm; between hosts: 6 tcp": what each kind of link used."""
+        host = [w.get("host", 0) for w in self.build.workers]
+        parts = []
+        for what, same in (("within hosts", True), ("between hosts", False)):
+            counts: dict[str, int] = {}
+            for link in links:
+                if (host[link["src"]] == host[link["dst"]]) == same:
+                    counts[link["transport"]] = counts.get(link["transport"], 0) + 1
+            parts.append(f"{what}: " + (", ".join(f"{n} {t}" for t, n in counts.items())
+                                        or "none"))
+        return "links " + "; ".join(parts)
 
     @staticmethod
     def _on_host(w, hb, prefix="; on") -> str:

@@ -499,10 +499,14 @@ def launch(a, argv: list[str], out=print) -> int:
     try:
         torchrun.run(torchrun.parse_args(targs))
     except ChildFailedError as e:
+        if any(w == 0 for w in hosts[a.node_rank]):
+            # the coordinator (worker 0) runs here and has printed the verdict above
+            raise _Reported(f"h2x run: stopped on host {a.node_rank} (the error above); "
+                            f"torchrun restarts allowed: {a.max_restarts}") from None
         _, failure = e.get_first_failure()
         msg = failure.message if isinstance(failure.message, str) else \
             json.dumps(failure.message)
-        if not msg.lstrip().startswith(("error", "/", ".")) and "error:" not in msg:
+        if "error" not in msg:
             msg = f"error: {msg}"
         raise _Reported(msg) from None
     except Exception as e:          # rendezvous errors: torchrun's own exception types
