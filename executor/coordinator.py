@@ -157,7 +157,9 @@ class Coordinator(threading.Thread):
                 own = [w for w in errors if errors[w].get("kind") != "comm"]
                 waited = now - trouble_since
                 # after a broken link, wait until a dead or cut-off peer would show as silent
-                settle = 1.0 if silent else HANG_AFTER_S + 1.5
+                # (heartbeats are written and read every HEARTBEAT_S, so the workers of one
+                # dead host fall silent up to 2 periods apart)
+                settle = 4 * HEARTBEAT_S if silent else HANG_AFTER_S + 1.5
                 if (own and waited > 0.3) or waited > settle:
                     self._verdict(run, progress, own, silent, hb, changed, now)
             time.sleep(POLL_S)
