@@ -95,7 +95,8 @@ def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[
     with `chips_per_node` chips each); each worker, in id order, takes the next free chip of its
     stage's chip type. Replica-major ids put a replica's stages on consecutive chips, so a
     pipeline stays inside a host when it fits, and a stage's TP ranks (consecutive ids) share
-    one. A cluster with too few chips of a type (not a valid plan) wraps around."""
+    one. A cluster with too few chips of a type (not a valid plan) wraps around. Hosts no
+    worker uses are left out: the others are renumbered 0..N-1 in order."""
     free: dict[str, list[int]] = {}
     host = 0
     for g in cluster.groups:
@@ -110,7 +111,8 @@ def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[
         k = taken.get(chip, 0)
         taken[chip] = k + 1
         hosts.append(chips[k % len(chips)])
-    return hosts
+    used = {h: i for i, h in enumerate(sorted(set(hosts)))}
+    return [used[h] for h in hosts]
 
 
 def share_dim(shape: tuple) -> int:
