@@ -131,7 +131,7 @@ class Coordinator(threading.Thread):
         changed = [time.monotonic()] * W
         t_start = time.monotonic()
         next_hb = 0.0
-        trouble_since = None
+        trouble_since = silent_since = None
         while len(progress.done) < W:
             for w in range(W):
                 while rec.has(f"ev/{w}/{next_ev[w]}"):
@@ -153,14 +153,16 @@ class Coordinator(threading.Thread):
             errors = progress.errors
             if (silent or errors) and trouble_since is None:
                 trouble_since = now
+            if silent and silent_since is None:
+                silent_since = now
             if trouble_since is not None:
                 own = [w for w in errors if errors[w].get("kind") != "comm"]
-                waited = now - trouble_since
-                # after a broken link, wait until a dead or cut-off peer would show as silent
-                # (heartbeats are written and read every HEARTBEAT_S, so the workers of one
-                # dead host fall silent up to 2 periods apart)
-                settle = 4 * HEARTBEAT_S if silent else HANG_AFTER_S + 1.5
-                if (own and waited > 0.3) or waited > settle:
+                # after a broken link, wait until a dead or cut-off peer would show as silent;
+                # after the first silent worker, until the rest of its host would too
+                # (heartbeats are written and read every HEARTBEAT_S: up to 2 periods apart)
+                if (own and now - trouble_since > 0.3) or \
+                        (silent and now - silent_since > 4 * HEARTBEAT_S) or \
+                        (not silent and now - trouble_since > HANG_AFTER_S + 1.5):
                     self._verdict(run, progress, own, silent, hb, changed, now)
             time.sleep(POLL_S)
 
