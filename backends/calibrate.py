@@ -3,18 +3,32 @@ to the calibration file (`h2ir/planner/calibration.py`) that the planner reads.
 
 Per backend: single-thread fp32 matmul FLOP/s at a few sizes and copy bandwidth. Single thread,
 because every executor worker runs with one thread (`backends/threads.py`).
+
+Each record carries the host, date and software versions it was measured with; a stored record
+from another host, older than the bound, or from other torch/numpy versions is measured again
+(and said so), never reused silently. Layer-time records are checked the same way here
+(`Calibration.check`); the compiler re-measures the ones its model needs.
 """
 from __future__ import annotations
 
+import sys
 import time
 from importlib import import_module
 from pathlib import Path
 
 from backends.registry import BACKENDS, entry
-from h2ir.planner.calibration import Calibration, host_info, load_calibration, save_calibration
+from h2ir.planner.calibration import (TIME_FORMAT, Calibration, host_info, load_calibration,
+                                      problems, save_calibration)
 
 FULL_SIZES = (512, 1024, 2048)
 QUICK_SIZES = (256, 512)
+
+
+def software_versions() -> dict:
+    """The op libraries' versions: a measurement under other versions is stale."""
+    import numpy
+    import torch
+    return {"torch": torch.__version__, "numpy": numpy.__version__}
 
 
 def measure_backend(backend: str, quick: bool = False) -> dict:
@@ -25,7 +39,8 @@ def measure_backend(backend: str, quick: bool = False) -> dict:
     r = import_module(entry(backend).calibrate).measure(sizes, mem_mib, min_time)
     return {"threads": 1, "dtype": "fp32", "matmul": r["matmul"],
             "matmul_flops": max(r["matmul"].values()), "mem_bw": r["mem_bw"], "quick": quick,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "measured_at": time.strftime(TIME_FORMAT), "host": host_info(),
+            "software": software_versions()}
 
 
 def profile(backends=BACKENDS, quick: bool = False, path: str | Path | None = None) -> Calibration:
@@ -33,23 +48,48 @@ def profile(backends=BACKENDS, quick: bool = False, path: str | Path | None = No
     cal = load_calibration(path) or Calibration()
     for b in backends:
         cal.backends[b] = measure_backend(b, quick=quick)
-    cal.created = time.strftime("%Y-%m-%dT%H:%M:%S")
+    cal.created = time.strftime(TIME_FORMAT)
     cal.host = host_info()
     save_calibration(cal, path)
-    return cal
+    return checked(cal)
 
 
-def ensure_calibration(backends, path: str | Path | None = None) -> Calibration:
-    """The stored calibration, measuring (quickly) and storing any backend it lacks."""
+def checked(cal: Calibration) -> Calibration:
+    """`cal` with its layer-time records checked against this host and these versions."""
+    cal.notes = [n for n in cal.notes if not n.startswith("layer times of ")]
+    return cal.check(software=software_versions())
+
+
+def _stderr(msg: str) -> None:
+    print(f"h2: {msg}", file=sys.stderr)
+
+
+def ensure_calibration(backends, path: str | Path | None = None, log=_stderr) -> Calibration:
+    """The stored calibration, measuring (quickly) and storing any backend it lacks or whose
+    record cannot be trusted here (another host, stale, other versions); `log` is told why."""
     cal = load_calibration(path) or Calibration()
-    missing = [b for b in dict.fromkeys(backends) if not cal.has_backend(b)]
-    if missing:
-        for b in missing:
-            cal.backends[b] = measure_backend(b, quick=True)
-        cal.created = cal.created or time.strftime("%Y-%m-%dT%H:%M:%S")
-        cal.host = cal.host or host_info()
+    sw = software_versions()
+    todo = []
+    for b in dict.fromkeys(backends):
+        if not cal.has_backend(b):
+            todo.append(b)
+            continue
+        why = problems(cal.backends[b], software=sw)
+        if why:
+            log(f"calibration of the {b} backend measured again: {'; '.join(why)}")
+            todo.append(b)
+    for b in todo:
+        cal.backends[b] = measure_backend(b, quick=True)
+    converted = [n for n in cal.notes if n.startswith("layer times of a version-1")]
+    if todo or converted:
+        cal.created = cal.created or time.strftime(TIME_FORMAT)
+        cal.host = host_info()
         try:
-            save_calibration(cal, path)
+            save_calibration(cal, path)     # a version-1 file is rewritten as version 2
         except OSError:
             pass        # a read-only home still gets measured numbers, just not stored
+    cal = checked(cal)
+    for n in converted + cal.notes:
+        log(n)
+    cal.notes = converted + cal.notes
     return cal

@@ -19,6 +19,7 @@ from backends.threads import limit_torch_threads, pin_to_core, single_thread_env
 single_thread_env()
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -28,26 +29,136 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.calibrate import profile
+from backends.calibrate import checked, profile, software_versions
 from backends.registry import BACKENDS
 from frontend.capture import load_model_file, parse_model_args
 from h2ir.errors import MAX_MICRO_BATCH, MAX_SEQ_LEN, H2Error, int_flag
-from h2ir.planner.calibration import Calibration, load_calibration, record_layer_times
+from h2ir.planner.calibration import (Calibration, host_info, layer_key, load_calibration,
+                                      now_str, record_id, store_layer_record)
 
 
-def _random_inputs(types: dict, vocab: int, rng) -> dict:
-    out = {}
-    for k, t in types.items():
-        if t.dtype in ("i64", "i32"):
-            out[k] = rng.integers(0, max(vocab, 2), size=t.shape).astype(np.int64)
-        else:
-            out[k] = rng.standard_normal(t.shape).astype(np.float32)
+MIN_REPS = 5              # timed repetitions at least (after one warm-up)
+MAX_REPS = 40             # at most, per layer kind and direction
+WINDOW = 5                # stable: the last WINDOW repetitions spread at most TARGET_SPREAD
+TARGET_SPREAD = 0.05
+BUDGET_S = 20.0           # per layer kind: stop repeating after this long
+
+
+def spread(xs) -> float:
+    """(p90 - p10) / median of `xs` (0 for fewer than two samples)."""
+    if len(xs) < 2:
+        return 0.0
+    q = np.percentile(xs, [10, 50, 90])
+    return float((q[2] - q[0]) / q[1]) if q[1] > 0 else 0.0
+
+
+def time_until_stable(fn, min_reps: int = MIN_REPS, max_reps: int = MAX_REPS,
+                      window: int = WINDOW, target: float = TARGET_SPREAD,
+                      budget_s: float = BUDGET_S) -> tuple[float, float, int]:
+    """(median seconds, spread, repetitions) of `fn()`: one warm-up, then repeated until the
+    last `window` repetitions agree within `target` (or `max_reps` / `budget_s` run out); the
+    median and spread are those of that last window."""
+    fn()
+    xs: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t0)
+        last = xs[-window:]
+        if len(xs) >= max(min_reps, window) and spread(last) <= target:
+            break
+        if len(xs) >= max_reps or (time.perf_counter() > t_end and len(xs) >= min_reps):
+            break
+    last = xs[-window:]
+    return float(np.median(last)), spread(last), len(xs)
+
+
+def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> list[dict]:
+    """For every layer program, the forward and backward inputs an h2x worker sees at step 1:
+    weights and buffers from the model's own initialisation (the model built for real with
+    `seed`, as `h2c compile` writes its initial weights), token ids and targets drawn from the
+    vocabulary, each layer's input the previous layer's real output, each output gradient the
+    real backward of the loss from the layers after it.
+
+    N(0, 1) weights and inputs are far from what training sees: logits then have a standard
+    deviation of ~sqrt(d), the softmax underflows into denormals, and the head's backward took
+    99 ms instead of 8.3 ms (issue 14)."""
+    import torch
+    from backends.base import run_program
+    from h2ir.opset import DROPOUT_SEED_INPUT
+    from h2ir.types import FLOAT_DTYPES, TensorType, dtype_of_host, host_dtype
+
+    torch.manual_seed(seed)
+    model = cap.model_file.build(model_args)
+    params = {k: v.detach().numpy() for k, v in model.named_parameters(remove_duplicate=False)}
+    buffers = {k: v.detach().numpy() for k, v in model.named_buffers(remove_duplicate=False)}
+    dev = {}
+
+    def weight(k, table):
+        if k not in dev:
+            dev[k] = be.from_numpy(np.ascontiguousarray(table[k]), dtype_of_host(table[k].dtype))
+        return dev[k]
+
+    vocab = max(2, int(cap.graph.attrs.get("vocab", 256) or 256))
+    rng = np.random.default_rng(seed)
+    acts: dict = {}
+    out = []
+    for i, p in enumerate(progs):
+        types = {k: TensorType.parse(v) for k, v in p.input_types.items()}
+        env = {k: weight(k, params) for k in p.params}
+        env.update({k: weight(k, buffers) for k in p.consts})
+        for k in p.inputs:
+            if k in acts:
+                env[k] = acts[k]
+            else:                              # a model input: token ids (or a float input)
+                t = types[k]
+                env[k] = be.from_numpy(rng.integers(0, vocab, size=t.shape).astype(np.int64), "i64") \
+                    if t.dtype in ("i64", "i32") else \
+                    be.from_numpy(rng.standard_normal(t.shape).astype(host_dtype(t.dtype)), t.dtype)
+        if "targets" in types:
+            env["targets"] = be.from_numpy(
+                rng.integers(0, vocab, size=types["targets"].shape).astype(np.int64), "i64")
+        if any(v.name == DROPOUT_SEED_INPUT for v in p.fwd.inputs):
+            env[DROPOUT_SEED_INPUT] = be.from_numpy(np.array(seed, dtype=np.int64), "i64")
+        outs = run_program(p.fwd, be, env)
+        n = len(p.outputs) - len(p.passthrough)
+        computed = [k for k in p.outputs if k not in p.passthrough]
+        acts.update(zip(computed, outs[:n]))
+        saved = {v.name: o for v, o in zip(p.fwd.outputs[n:], outs[n:])}
+        out.append({"fwd": env, "saved": saved, "n_out": n, "computed": computed})
+    # backward, last layer first: the loss gradient 1, then each layer's real input gradients
+    add = be.ops["add"]
+    grads: dict = {}
+    for i in range(len(progs) - 1, -1, -1):
+        p, v = progs[i], out[i]
+        benv = {k: v["fwd"][k] for k in list(p.params) + list(p.consts)}
+        benv.update(v["saved"])
+        for k in p.tangents:
+            if k == "loss":
+                benv["grad.loss"] = be.from_numpy(np.asarray(1.0, dtype=np.float32), "f32")
+            elif k in grads:
+                benv[f"grad.{k}"] = grads[k]
+            else:                              # nothing flows back into it: zeros, as h2x sends
+                t = p.fwd.outputs[v["computed"].index(k)].type
+                benv[f"grad.{k}"] = be.from_numpy(np.zeros(t.shape, host_dtype(t.dtype)), t.dtype)
+        v["bwd"] = benv
+        if i == 0:
+            break
+        gouts = run_program(p.bwd, be, benv)
+        for k, g in zip(p.input_grads, gouts):
+            if k in p.inputs and g is not None and \
+                    TensorType.parse(p.input_types[k]).dtype in FLOAT_DTYPES:
+                grads[k] = g if k not in grads else add(grads[k], g)
+        del v["saved"]                         # the timing re-runs only the chosen layers
     return out
 
 
 def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backend: str,
-            reps: int = 5) -> dict:
-    """{layer kind: {fwd_s, bwd_s, fwd_flops, bwd_flops}} for each distinct layer kind."""
+            seed: int = 0) -> dict:
+    """{layer kind: {fwd_s, bwd_s, fwd_spread, bwd_spread, reps, fwd_flops, bwd_flops, params,
+    layer}} for each distinct layer kind, with realistic inputs (`realistic_layer_values`) and
+    repeated until stable (`time_until_stable`)."""
     limit_torch_threads()
     from backends.base import run_program
     from backends.registry import get_backend
@@ -65,62 +176,79 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
     except H2Error as e:        # AOTAutograd's graphs know no model lines: say which
         raise cap.locate(e) from None
     be = get_backend(backend)
-    rng = np.random.default_rng(0)
-    vocab = cap.graph.attrs.get("vocab", 256)
+    values = realistic_layer_values(cap, progs, be, model_args, seed)
+    _barrier()
     out = {}
     for kind, lname in kinds.items():
-        p = progs[names.index(lname)]
-        types = {v.name: v.type for v in p.fwd.inputs + p.fwd.consts + p.fwd.all_params()}
-        host = _random_inputs(types, vocab, rng)
-        env = {k: be.from_numpy(v, types[k].dtype) for k, v in host.items()}
-        fwd_t, bwd_t = [], []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            outs = run_program(p.fwd, be, env)
+        i = names.index(lname)
+        p, v = progs[i], values[i]
+
+        def fwd():
+            run_program(p.fwd, be, v["fwd"])
             be.synchronize()
-            t1 = time.perf_counter()
-            n = len(p.outputs) - len(p.passthrough)
-            benv = dict(env)
-            benv.update({v.name: o for v, o in zip(p.fwd.outputs[n:], outs[n:])})
-            for k in p.tangents:
-                t = p.fwd.outputs[[x for x in p.outputs if x not in p.passthrough].index(k)].type
-                benv[f"grad.{k}"] = be.from_numpy(rng.standard_normal(t.shape).astype(np.float32), "f32")
-            t2 = time.perf_counter()
-            run_program(p.bwd, be, benv)
+
+        def bwd():
+            run_program(p.bwd, be, v["bwd"])
             be.synchronize()
-            t3 = time.perf_counter()
-            fwd_t.append(t1 - t0)
-            bwd_t.append(t3 - t2)
+        f, fs, fr = time_until_stable(fwd)
+        b, bs, br = time_until_stable(bwd)
         lc = costs.layer(lname)
-        out[kind] = {"fwd_s": statistics.median(fwd_t[1:]), "bwd_s": statistics.median(bwd_t[1:]),
-                     "fwd_flops": lc.fwd_flops, "bwd_flops": lc.bwd_flops, "layer": lname}
+        out[kind] = {"fwd_s": f, "bwd_s": b, "fwd_spread": fs, "bwd_spread": bs,
+                     "reps": max(fr, br), "fwd_flops": lc.fwd_flops, "bwd_flops": lc.bwd_flops,
+                     "params": lc.params, "layer": lname}
+    busiest = max(range(len(progs)), key=lambda i: costs.layers[i].fwd_flops)
+    _keep_busy(lambda: run_program(progs[busiest].fwd, be, values[busiest]["fwd"]))
     return out
 
 
+def _barrier() -> None:
+    """Measuring processes started together wait here until every one has its inputs ready
+    (the parent writes a line to each one's stdin), so that all cores are busy while any of
+    them times. A process run by hand (stdin a terminal) does not wait."""
+    if os.environ.get("H2_PROFILE_BARRIER") == "1":
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+
+def _keep_busy(work) -> None:
+    """After timing, keep the core busy (`work`: the largest layer's forward) until the parent
+    says every process is done, so no process times its last layers alone on an idle machine."""
+    if os.environ.get("H2_PROFILE_BARRIER") != "1":
+        return
+    import select
+    print("done", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        work()
+
+
 def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, seq_len: int,
-                         backends) -> dict:
+                         backends, workers: int = 0) -> dict:
     """{backend: layer times}, measured with every core busy as in a real run.
 
     A worker never runs alone: its neighbours share the memory bus and the last-level cache, which
     slows a CPU worker by 10-25 % here. So one measuring process per core (pinned, one thread
-    each) runs at once, each backend at least once; copies of a backend are averaged."""
+    each) runs at once, each backend at least once, and as many as the cluster runs workers
+    (`workers`; more workers than cores share them, pinned round-robin as h2x pins its workers);
+    they start timing together and keep their cores busy until the last is done; copies of a
+    backend are averaged."""
     try:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = [None]
     jobs = list(backends)
-    while len(jobs) < len(cores):
+    while len(jobs) < max(len(cores), workers):
         jobs.append(jobs[len(jobs) % len(backends)])
     procs = []
+    env = dict(os.environ, H2_PROFILE_BARRIER="1")
     for i, b in enumerate(jobs):
         cmd = [sys.executable, "-m", "frontend.profile", model_path, "--backend", b,
                "--micro-batch", str(micro_batch), "--seq-len", str(seq_len),
                "--args", json.dumps(model_args)]
         if cores[0] is not None:
             cmd += ["--core", str(cores[i % len(cores)])]
-        procs.append((b, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True)))
-    results = [(b, p.communicate(), p.returncode) for b, p in procs]   # every process ends
+        procs.append((b, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env)))
+    results = _run_in_step(procs)
     got: dict[str, list] = {}
     for b, (out, err), rc in results:
         got.setdefault(b, []).append(_child_result(b, out, err, rc))
@@ -131,8 +259,45 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
             r = dict(runs[0][kind])
             for key in ("fwd_s", "bwd_s"):
                 r[key] = statistics.mean(x[kind][key] for x in runs)
+            for key in ("fwd_spread", "bwd_spread"):
+                r[key] = max(x[kind][key] for x in runs)
             res[b][kind] = r
     return res
+
+
+def _run_in_step(procs) -> list:
+    """Release the measuring processes together once all are ready, let them go once all are
+    done; (backend, (stdout, stderr), returncode) per process. A process that exits early (an
+    error) releases the others."""
+    lines: dict[int, list] = {i: [] for i in range(len(procs))}
+
+    def wait_all(word):
+        for i, (_, p) in enumerate(procs):
+            while p.poll() is None or p.stdout.readable():
+                ln = p.stdout.readline()
+                if not ln:
+                    break
+                lines[i].append(ln)
+                if ln.strip() == word:
+                    break
+
+    def tell_all():
+        for _, p in procs:
+            try:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+    wait_all("ready")
+    tell_all()
+    wait_all("done")
+    tell_all()
+    out = []
+    for i, (b, p) in enumerate(procs):
+        rest, err = p.communicate()
+        text = "".join(ln for ln in lines[i] if ln.strip() not in ("ready", "done")) + rest
+        out.append((b, (text, err), p.returncode))
+    return out
 
 
 def _child_result(backend: str, out: str, err: str, rc: int) -> dict:
@@ -155,19 +320,54 @@ def _child_result(backend: str, out: str, err: str, rc: int) -> dict:
                        + (f" ({last[:300]})" if last else ""))
 
 
+def record_spread(layers: dict) -> float:
+    """A record's spread: its layers' spreads weighted by their time, so a 10 us embedding
+    timed at the clock's resolution does not call a record noisy that a block's 3 ms settle."""
+    tot = sum(r["fwd_s"] + r["bwd_s"] for r in layers.values())
+    return sum(r["fwd_s"] * r["fwd_spread"] + r["bwd_s"] * r["bwd_spread"]
+               for r in layers.values()) / tot if tot > 0 else 0.0
+
+
+def model_digest(model_path: str) -> str:
+    """SHA-256 of the model file's bytes: a record is keyed by what the model is, not its name."""
+    return hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
+
+
+def layer_record_key(model_path: str, model_args: dict, micro_batch: int, seq_len: int,
+                     backend: str, workers: int = 0) -> dict:
+    """What a layer-time measurement of this model on `backend` is keyed by (one thread, fp32:
+    how every h2x worker on this machine runs; `workers` measuring processes at once, at least
+    one per core)."""
+    key = layer_key(Path(model_path).stem, model_digest(model_path), model_args, micro_batch,
+                    seq_len, "fp32", backend, threads=1)
+    key["workers"] = max(int(workers), os.cpu_count() or 1)
+    return key
+
+
 def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backends,
-           log=print) -> None:
-    """Measure each backend's layer times and store them in the calibration file."""
+           log=print, workers: int = 0) -> list[str]:
+    """Measure each backend's layer times (with `workers` processes at once, at least one per
+    core) and store them in the calibration file as records keyed by the model's content and
+    shapes; returns the records' ids."""
     load_model_file(model_path)     # a missing or broken model file is told once, here
-    measured = measure_concurrently(model_path, model_args, micro_batch, seq_len, list(backends))
+    measured = measure_concurrently(model_path, model_args, micro_batch, seq_len, list(backends),
+                                    workers)
+    sw = software_versions()
+    ids = []
     for b in backends:
         res = measured[b]
+        key = layer_record_key(model_path, model_args, micro_batch, seq_len, b, workers)
+        rec = {"key": key, "host": host_info(), "software": sw, "measured_at": now_str(),
+               "reps": max(r["reps"] for r in res.values()),
+               "spread": record_spread(res),
+               "layers": res}
+        store_layer_record(rec)
+        ids.append(record_id(key))
         for kind, r in res.items():
-            record_layer_times(b, kind, r["fwd_s"], r["bwd_s"], micro_batch, seq_len,
-                               fwd_flops=r["fwd_flops"], bwd_flops=r["bwd_flops"],
-                               model=Path(model_path).stem)
-            log(f"  {b:6s} {kind:18s} fwd {r['fwd_s'] * 1e3:8.2f} ms  bwd {r['bwd_s'] * 1e3:8.2f} ms"
-                f"  (micro-batch {micro_batch} x {seq_len})")
+            log(f"  {b:6s} {kind:18s} fwd {r['fwd_s'] * 1e3:8.2f} ms (spread {r['fwd_spread']:.1%})"
+                f"  bwd {r['bwd_s'] * 1e3:8.2f} ms (spread {r['bwd_spread']:.1%})"
+                f"  (micro-batch {micro_batch} x {seq_len}, {r['reps']} reps)")
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,9 +391,9 @@ def profile_main(argv: list[str]) -> int:
         backends = BACKENDS if a.backend == "all" else (a.backend,)
         cal = profile(backends, quick=a.quick)
         if a.model and a.model.endswith(".py"):
-            record(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len, backends,
-                   log=(lambda *x: None) if a.json else print)
-            cal = load_calibration(cal.path)
+            ids = record(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len, backends,
+                         log=(lambda *x: None) if a.json else print)
+            cal = checked(load_calibration(cal.path)).select(ids)
         layers = _model_layer_times(a, cal, backends) if a.model else None
     except H2Error as e:
         print(str(e), file=sys.stderr)
@@ -213,10 +413,12 @@ def profile_main(argv: list[str]) -> int:
         r = cal.backends[b]
         print(f"{b:<8} {r['threads']:>7}  " + "  ".join(f"{v / 1e9:>8.1f} GF/s" for v in r["matmul"].values())
               + f"  {r['mem_bw'] / 1e9:>6.1f} GB/s")
-    for b, kinds in cal.layer_times.items():
-        for k, rec in kinds.items():
-            print(f"recorded {b} {k}: fwd {rec['fwd_s'] * 1e3:.3g} ms, bwd {rec['bwd_s'] * 1e3:.3g} ms "
-                  f"(micro-batch {rec['micro_batch']}, seq {rec['seq_len']})")
+    for rid, rec in cal.records.items():
+        k = rec["key"]
+        why = cal.distrusted.get(rid)
+        print(f"recorded {k['backend']} layer times of {k['model']} {k['args'] or ''} "
+              f"(micro-batch {k['micro_batch']} x {k['seq_len']}, {rec.get('measured_at')}, "
+              f"spread {rec.get('spread') or 0:.1%})" + (f": NOT USED, {'; '.join(why)}" if why else ""))
     if layers:
         print(f"per-layer times the planner uses for {a.model} (micro-batch {a.micro_batch}):")
         for row in layers:

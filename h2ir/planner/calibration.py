@@ -7,19 +7,44 @@ layer programs (`frontend/profile.py`), and both write this file. The resource m
 (the local CPU clusters) instead of catalog peaks; a measured chip without one is an error, so a
 plan for a local cluster never rests on made-up figures.
 
-Measured per-layer forward/backward times (`layer_times[backend][kind]`) are stored through
-`record_layer_times`; the resource model prefers them when present.
+Trust. A measurement is only as good as the conditions it was taken in, so every record says
+where, when and with what it was taken, and a record is used only while those still hold:
 
-File: $H2_CALIBRATION, else ~/.cache/h2/calibration.json. Format (JSON):
+* backend speeds (`backends[b]`) carry the host, the date and the software versions;
+* measured layer times are *records* keyed by what was measured — the model file's content
+  (SHA-256) and `build_model` arguments, micro-batch, sequence length, dtype, backend, threads —
+  and carry host, date, software versions and the spread of their repetitions.
 
-    {"version": 1, "created": "...", "host": {...},
+`problems(record)` says why a record cannot be trusted here: another host (`foreign`), older than
+`MAX_AGE_DAYS` or measured under other torch/numpy versions (`stale`), repetitions that did not
+settle (`noisy`). The planner never uses such a record (`layer_time` skips it); the drivers
+re-measure it or report it (`backends/calibrate.py`, `frontend/compiler.py ensure_layer_times`).
+A layer-time record costs a layer only when the layer is the one measured — same kind,
+parameters, sequence length and FLOPs per sample — scaled linearly in the micro-batch; one
+model's timings are never stretched by a FLOP ratio over another model's layers (a 6 M-parameter
+block measured at 8 tokens says nothing about the same kind at 128 tokens).
+
+File: $H2_CALIBRATION, else ~/.cache/h2/calibration.json. Format (JSON, version 2):
+
+    {"version": 2, "created": "...", "host": {...},
      "backends": {"torch": {"threads": 1, "dtype": "fp32", "matmul": {"512": FLOP/s, ...},
-                            "matmul_flops": FLOP/s, "mem_bw": B/s, "quick": false}, ...},
-     "layer_times": {"torch": {"transformer_block": {"fwd_s": .., "bwd_s": .., "micro_batch": ..,
-                                                     "seq_len": .., "fwd_flops": ..?}}}}
+                            "matmul_flops": FLOP/s, "mem_bw": B/s, "quick": false,
+                            "measured_at": "...", "host": {...}, "software": {...}}, ...},
+     "layer_records": {"<id>": {"key": {"model", "model_sha256", "args", "micro_batch",
+                                        "seq_len", "dtype", "backend", "threads"},
+                                "host": {...}, "software": {...}, "measured_at": "...",
+                                "reps": n, "spread": max relative spread,
+                                "layers": {kind: {"fwd_s", "bwd_s", "fwd_flops", "bwd_flops",
+                                                  "params", "fwd_spread", "bwd_spread",
+                                                  "layer"}}}}}
+
+A version-1 file (layer times keyed only by layer kind, with the model's *name*) is read with its
+backend speeds; its layer times are dropped, and `notes` says so.
 """
 from __future__ import annotations
 
+import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -28,7 +53,10 @@ from pathlib import Path
 
 from h2ir.errors import H2Error
 
-VERSION = 1
+VERSION = 2
+MAX_AGE_DAYS = 30          # a chosen bound: OS, BIOS and library updates land on that scale
+MAX_SPREAD = 0.15          # repetitions whose (p90 - p10) / median exceeds this did not settle
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
 
 def calibration_path() -> Path:
@@ -38,13 +66,94 @@ def calibration_path() -> Path:
     return Path.home() / ".cache" / "h2" / "calibration.json"
 
 
+def host_info() -> dict:
+    """What identifies the machine a measurement belongs to."""
+    return {"node": platform.node(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
+            "system": platform.system(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
+_HOST_KEYS = ("node", "machine", "cpu_model", "cpu_count")
+
+
+def now_str() -> str:
+    return _dt.datetime.now().strftime(TIME_FORMAT)
+
+
+def layer_key(model: str, model_sha256: str, args: dict, micro_batch: int, seq_len: int,
+              dtype: str, backend: str, threads: int = 1) -> dict:
+    """What a layer-time record was measured for; `record_id` hashes it."""
+    return {"model": model, "model_sha256": model_sha256, "args": dict(sorted(args.items())),
+            "micro_batch": int(micro_batch), "seq_len": int(seq_len), "dtype": dtype,
+            "backend": backend, "threads": int(threads)}
+
+
+def record_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def problems(rec: dict, *, host: dict | None = None, software: dict | None = None,
+             now: _dt.datetime | None = None, max_age_days: float = MAX_AGE_DAYS) -> list[str]:
+    """Why `rec` (a backend-speed or layer-time record) cannot be trusted on this host now; []
+    when it can. `software` is the running torch/numpy versions (the backends layer knows them);
+    None skips that check."""
+    out = []
+    host = host if host is not None else host_info()
+    theirs = rec.get("host") or {}
+    diff = [k for k in _HOST_KEYS if k in theirs and theirs.get(k) != host.get(k)]
+    if not theirs:
+        out.append("foreign: it records no host")
+    elif diff:
+        out.append("foreign: measured on another host (" + ", ".join(
+            f"{k} {theirs.get(k)!r} here {host.get(k)!r}" for k in diff) + ")")
+    at = rec.get("measured_at")
+    try:
+        when = _dt.datetime.strptime(at, TIME_FORMAT) if at else None
+    except (TypeError, ValueError):
+        when = None
+    if when is None:
+        out.append("stale: it records no date")
+    else:
+        age = ((now or _dt.datetime.now()) - when).total_seconds() / 86400
+        if age > max_age_days:
+            out.append(f"stale: measured {age:.0f} days ago (bound {max_age_days:g})")
+        elif age < -1:
+            out.append(f"stale: dated {at}, in the future")
+    if software is not None:
+        sw = rec.get("software") or {}
+        changed = [k for k in software if sw.get(k) != software[k]]
+        if changed:
+            out.append("stale: measured under other versions (" + ", ".join(
+                f"{k} {sw.get(k)} here {software[k]}" for k in changed) + ")")
+    if rec.get("spread") is not None and rec["spread"] > MAX_SPREAD:
+        out.append(f"noisy: repetitions spread {rec['spread']:.0%} (bound {MAX_SPREAD:.0%})")
+    return out
+
+
 @dataclass
 class Calibration:
     backends: dict = field(default_factory=dict)
+    # hand-given layer times {backend: {kind: {fwd_s, bwd_s, micro_batch, seq_len, fwd_flops?}}}:
+    # used as given (tests, what-ifs); files carry keyed `records` instead
     layer_times: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)          # id -> keyed layer-time record
     created: str = ""
     host: dict = field(default_factory=dict)
     path: str | None = None
+    notes: list = field(default_factory=list)            # what was dropped, re-measured, distrusted
+    selected: frozenset | None = None                    # record ids the planner may use (None: any)
+    distrusted: dict = field(default_factory=dict)       # id -> problems (set by `check`)
 
     def has_backend(self, backend: str) -> bool:
         return backend in self.backends
@@ -63,32 +172,94 @@ class Calibration:
     def mem_bw(self, backend: str) -> float:
         return float(self._backend(backend)["mem_bw"])
 
+    # -- trust ---------------------------------------------------------------------------------
+    def check(self, *, host: dict | None = None, software: dict | None = None,
+              now: _dt.datetime | None = None) -> "Calibration":
+        """Mark every layer-time record that cannot be trusted here (`distrusted`: foreign or
+        stale; the planner skips those) and report every problem, noisy ones included, in
+        `notes` (a noisy record is still the best measurement there is; the compiler measures
+        it again). Returns self."""
+        self.distrusted = {}
+        for rid, rec in self.records.items():
+            p = problems(rec, host=host, software=software, now=now)
+            if any(not x.startswith("noisy") for x in p):
+                self.distrusted[rid] = p
+            if p:
+                k = rec.get("key", {})
+                used = "used, but" if rid not in self.distrusted else "not used:"
+                self.notes.append(f"layer times of {k.get('model')} on {k.get('backend')} "
+                                  f"(micro-batch {k.get('micro_batch')} x {k.get('seq_len')}) "
+                                  f"{used} {'; '.join(p)}")
+        return self
+
+    def select(self, ids) -> "Calibration":
+        """Restrict the planner to these layer-time records (the driver's exact model key)."""
+        self.selected = frozenset(ids)
+        return self
+
+    def usable_records(self, backend: str) -> list[dict]:
+        """Trusted records of `backend` the planner may use, newest first."""
+        out = [r for rid, r in self.records.items()
+               if r.get("key", {}).get("backend") == backend and rid not in self.distrusted
+               and (self.selected is None or rid in self.selected)]
+        return sorted(out, key=lambda r: r.get("measured_at", ""), reverse=True)
+
+    # -- layer times ---------------------------------------------------------------------------
     def layer_time(self, backend: str, layer, micro_batch: int, seq_len: int):
-        """(fwd_s, bwd_s) for `layer` (a LayerCost) from recorded layer times of its kind, or None.
+        """(fwd_s, bwd_s) for `layer` (a LayerCost at `micro_batch` x `seq_len`), or None.
 
-        Scaled by the FLOP ratio when the record carries FLOPs (so one model's block timing can
-        cost another's), else linearly by tokens."""
+        From a trusted record of the same layer (kind, parameters, sequence length and FLOPs per
+        sample all equal), scaled linearly in the micro-batch; hand-given `layer_times` are
+        scaled by their FLOP ratio, else by tokens."""
         rec = self.layer_times.get(backend, {}).get(layer.kind)
-        if not rec:
-            return None
-        if rec.get("fwd_flops") and layer.fwd_flops:
-            rf = layer.fwd_flops / rec["fwd_flops"]
-            rb = layer.bwd_flops / rec["bwd_flops"] if rec.get("bwd_flops") else rf
-        else:
-            rf = rb = (micro_batch * seq_len) / (rec["micro_batch"] * rec["seq_len"])
-        return rec["fwd_s"] * rf, rec["bwd_s"] * rb
+        if rec:
+            if rec.get("fwd_flops") and layer.fwd_flops:
+                rf = layer.fwd_flops / rec["fwd_flops"]
+                rb = layer.bwd_flops / rec["bwd_flops"] if rec.get("bwd_flops") else rf
+            else:
+                rf = rb = (micro_batch * seq_len) / (rec["micro_batch"] * rec["seq_len"])
+            return rec["fwd_s"] * rf, rec["bwd_s"] * rb
+        best = None
+        for r in self.usable_records(backend):
+            k, m = r["key"], r["layers"].get(layer.kind)
+            if m is None or k["seq_len"] != seq_len or m.get("params") != layer.params:
+                continue
+            scale = micro_batch / k["micro_batch"]
+            if abs(m["fwd_flops"] * scale - layer.fwd_flops) > 1e-6 * max(1, layer.fwd_flops):
+                continue
+            if k["micro_batch"] == micro_batch:       # an exact shape beats a scaled one
+                return m["fwd_s"], m["bwd_s"]
+            if best is None:
+                best = (m["fwd_s"] * scale, m["bwd_s"] * scale)
+        return best
 
+    def add_record(self, rec: dict) -> str:
+        rid = record_id(rec["key"])
+        self.records[rid] = rec
+        self.distrusted.pop(rid, None)
+        return rid
+
+    # -- file ----------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"version": VERSION, "created": self.created, "host": self.host,
-                "backends": self.backends, "layer_times": self.layer_times}
+                "backends": self.backends, "layer_records": self.records}
 
     @classmethod
     def from_json(cls, d: dict, path: str | None = None) -> "Calibration":
-        if d.get("version") != VERSION:
-            raise H2Error(f"calibration file has version {d.get('version')!r}, expected {VERSION}",
+        v = d.get("version")
+        if v not in (1, VERSION):
+            raise H2Error(f"calibration file has version {v!r}, expected {VERSION}",
                           file=path, hint="delete it and run `h2c profile`")
-        return cls(backends=dict(d.get("backends", {})), layer_times=dict(d.get("layer_times", {})),
-                   created=d.get("created", ""), host=dict(d.get("host", {})), path=path)
+        cal = cls(backends=dict(d.get("backends", {})), records=dict(d.get("layer_records", {})),
+                  created=d.get("created", ""), host=dict(d.get("host", {})), path=path)
+        if v == 1:
+            # version 1 stored no host per backend: the file's host stands for it
+            for rec in cal.backends.values():
+                rec.setdefault("host", cal.host)
+            if d.get("layer_times"):
+                cal.notes.append("layer times of a version-1 calibration dropped: they were keyed "
+                                 "by the model's name only (they are re-measured when needed)")
+        return cal
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration | None:
@@ -100,45 +271,43 @@ def load_calibration(path: str | Path | None = None) -> Calibration | None:
     except (OSError, json.JSONDecodeError) as e:
         raise H2Error(f"cannot read calibration: {e}", file=str(p),
                       hint="delete it and run `h2c profile`")
-    return Calibration.from_json(d, str(p))
+    if not isinstance(d, dict):
+        raise H2Error("calibration file is not a JSON object", file=str(p),
+                      hint="delete it and run `h2c profile`")
+    return Calibration.from_json(d, str(p)).check()
 
 
 def save_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
     p = Path(path) if path else (Path(cal.path) if cal.path else calibration_path())
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cal.to_json(), indent=1, sort_keys=True) + "\n")
     tmp.replace(p)    # atomic: concurrent planners never read half a file
     cal.path = str(p)
     return p
 
 
-def host_info() -> dict:
-    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "system": platform.system(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
-
-
 def record_layer_times(backend: str, kind: str, fwd_s: float, bwd_s: float, micro_batch: int,
                        seq_len: int, *, fwd_flops: int | None = None, bwd_flops: int | None = None,
-                       model: str | None = None, path: str | Path | None = None) -> Calibration:
-    """Store measured per-layer forward/backward seconds of a layer kind on a backend.
-
-    Pass the layer's FLOPs when known: then the timing is scaled by FLOPs to other layers of the
-    same kind (other models, sizes); otherwise it is scaled linearly by tokens."""
+                       params: int | None = None, model: str | None = None,
+                       path: str | Path | None = None, software: dict | None = None) -> Calibration:
+    """Store one layer kind's measured forward/backward seconds as a keyed record (model by
+    name only: prefer `store_layer_record` with the model file's digest)."""
     if fwd_s <= 0 or bwd_s <= 0 or micro_batch <= 0 or seq_len <= 0:
         raise H2Error(f"layer times must be positive (got fwd {fwd_s}, bwd {bwd_s}, "
                       f"micro-batch {micro_batch}, seq {seq_len})")
+    key = layer_key(model or "?", "", {"kind": kind}, micro_batch, seq_len, "fp32", backend)
+    rec = {"key": key, "host": host_info(), "software": software or {}, "measured_at": now_str(),
+           "reps": 1, "spread": None,
+           "layers": {kind: {"fwd_s": float(fwd_s), "bwd_s": float(bwd_s),
+                             "fwd_flops": int(fwd_flops or 0), "bwd_flops": int(bwd_flops or 0),
+                             "params": params}}}
+    return store_layer_record(rec, path)
+
+
+def store_layer_record(rec: dict, path: str | Path | None = None) -> Calibration:
+    """Add (or replace: same key) a layer-time record in the calibration file."""
     cal = load_calibration(path) or Calibration()
-    rec = {"fwd_s": float(fwd_s), "bwd_s": float(bwd_s), "micro_batch": int(micro_batch),
-           "seq_len": int(seq_len)}
-    if fwd_flops:
-        rec["fwd_flops"] = int(fwd_flops)
-    if bwd_flops:
-        rec["bwd_flops"] = int(bwd_flops)
-    if model:
-        rec["model"] = model
-    cal.layer_times.setdefault(backend, {})[kind] = rec
+    cal.add_record(rec)
     save_calibration(cal, path)
     return cal
-
-
