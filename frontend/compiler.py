@@ -43,7 +43,6 @@ from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
                          int_flag)
 from h2ir.planner import search as heteroauto
-from h2ir.planner.calibration import load_calibration
 from h2ir.planner.simulate import SimResult, plan_layout, program_comm_volumes, simulate_build
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
@@ -94,21 +93,46 @@ def cluster_calibration(cluster):
 
 
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
-                       log=print) -> None:
+                       log=print):
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
-    this model; measure them once per model and backend (frontend/profile.py) if not stored."""
+    this model, measured with as many workers at once as the cluster has chips. They are keyed
+    by the model file's content and arguments, the shapes, dtype, backend, threads and workers
+    (frontend/profile.py `layer_record_key`); a record that is missing, from
+    another host, stale (age, torch/numpy versions) or noisy is measured again, and a fresh one
+    that is still noisy is reported. Returns the calibration restricted to this model's records
+    (None when the cluster has no measured chip)."""
+    from backends.calibrate import software_versions
+    from frontend.profile import layer_record_key
+    from h2ir.planner.calibration import problems, record_id
     backends = measured_backends(cluster)
     if not backends:
-        return
-    cal = load_calibration()
+        return None
+    quiet = lambda m: log(m) if m.startswith("calibration of the") else None  # noqa: E731
+    cal = ensure_calibration(backends, log=quiet)
+    sw = software_versions()
     name = Path(model_path).stem
-    todo = [b for b in backends
-            if not cal or any(r.get("model") != name for r in cal.layer_times.get(b, {}).values())
-            or not cal.layer_times.get(b)]
+    ids, todo = {}, []
+    for b in backends:
+        rid = ids[b] = record_id(layer_record_key(model_path, model_args, micro_batch, seq_len, b,
+                                                  cluster.total_chips))
+        rec = cal.records.get(rid)
+        why = ["not measured yet"] if rec is None else problems(rec, software=sw)
+        if why:
+            todo.append(b)
+            if rec is not None:
+                log(f"layer times of {name} on {b} measured again: {'; '.join(why)}")
     if todo:
-        log(f"measuring per-layer times of {name} on {', '.join(todo)} (once; stored in the "
-            "calibration file)")
-        record(model_path, model_args, micro_batch, seq_len, todo, log=log)
+        log(f"measuring per-layer times of {name} on {', '.join(todo)} (micro-batch {micro_batch} "
+            f"x {seq_len}; stored in the calibration file)")
+        record(model_path, model_args, micro_batch, seq_len, todo, log=log,
+               workers=cluster.total_chips)
+        cal = ensure_calibration(backends, log=quiet)
+        for b in todo:
+            why = problems(cal.records[ids[b]], software=sw)
+            if why:
+                log(f"warning: layer times of {name} on {b}: {'; '.join(why)} (used anyway: "
+                    "run on a quieter machine for a better plan)")
+    return cal.select(ids.values())
 
 
 def _sha256(path: str) -> str:
@@ -178,9 +202,10 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
     mb_trace = inp.micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
     load_model_file(model_path)     # a missing or broken model file is told before any measuring
-    if inp.plan is None:      # the search ranks plans with measured layer times
-        ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
-    cal = cluster_calibration(inp.cluster)
+    cal = None
+    if inp.plan is None:      # the search ranks plans with this model's measured layer times
+        cal = ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
+    cal = cal or cluster_calibration(inp.cluster)
     cap = trace_model(model_path, model_args, mb_trace, inp.seq_len)
     costs = cap.graph.layer_costs()
     plan = inp.plan or search_plan(inp.plan_arg, costs, inp.cluster,
