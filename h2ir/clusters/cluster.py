@@ -8,6 +8,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Op classes a layer's work is split into for costing (h2ir/planner/resource.py): dense
+# matmuls (GEMMs: projections, MLP, LM head), the attention core (scores and values), and
+# memory-bound work (norms, activations, residuals, softmax/loss: bytes moved / bandwidth).
+OP_CLASSES = ("matmul", "attention", "memory")
+
+# Used only for a chip that states no efficiency of its own (the catalog's entries all do, with
+# their sources; docs/clusters.md): a chosen middle value, not a measurement.
+DEFAULT_EFFICIENCY = {"matmul": 0.5, "attention": 0.35, "memory": 0.7}
+# Memory a chip cannot give to model state and activations: runtime context (CUDA context and
+# library workspaces), communication buffers, allocator fragmentation. Chosen defaults, see
+# docs/clusters.md: 1 GiB reserved + 5 % of capacity for accelerators, 0.25 GiB + 5 % for CPUs.
+DEFAULT_MEM_RESERVED_GIB = {"cpu": 0.25}
+DEFAULT_MEM_RESERVED_GIB_ACCEL = 1.0
+DEFAULT_MEM_FRAGMENTATION = 0.05
+
+
 @dataclass(frozen=True)
 class ChipType:
     name: str
@@ -16,15 +32,39 @@ class ChipType:
     peak_flops: dict                   # dtype ('fp32', 'bf16', 'fp16', ...) -> peak FLOP/s
     mem_bytes: int
     mem_bw: float                      # device memory bandwidth, B/s
-    efficiency: float = 0.5            # achievable fraction of peak on transformer layers (MFU)
+    # achievable fraction of peak per op class (OP_CLASSES; memory: of mem_bw); a float sets
+    # every class (the old single figure)
+    efficiency: object = None
     price_per_hour: float | None = None
     power_w: float | None = None
     measured: bool = False             # True when peak/efficiency come from `h2c profile`
+    fused_attention: bool = True       # a fused (flash) attention kernel: no s x s scores kept
+    mem_reserved_bytes: int | None = None     # runtime context + comm buffers (None: default)
+    mem_fragmentation: float | None = None    # fraction of capacity lost to fragmentation
 
-    def flops(self, dtype: str = "bf16") -> float:
-        """Achievable FLOP/s for `dtype` (peak * efficiency)."""
+    def eff(self, op_class: str) -> float:
+        e = self.efficiency
+        if e is None:
+            return DEFAULT_EFFICIENCY[op_class]
+        if isinstance(e, (int, float)):
+            return float(e)
+        return float(e.get(op_class, DEFAULT_EFFICIENCY[op_class]))
+
+    def flops(self, dtype: str = "bf16", op_class: str = "matmul") -> float:
+        """Achievable FLOP/s for `dtype` on `op_class` (peak * that class's efficiency)."""
         peak = self.peak_flops.get(dtype) or self.peak_flops.get("fp32")
-        return peak * self.efficiency
+        return peak * self.eff(op_class)
+
+    @property
+    def usable_mem_bytes(self) -> int:
+        """Capacity left for model state and activations: minus the reserved runtime/comm bytes
+        and the fragmentation share."""
+        frag = DEFAULT_MEM_FRAGMENTATION if self.mem_fragmentation is None else self.mem_fragmentation
+        if self.mem_reserved_bytes is not None:
+            res = self.mem_reserved_bytes
+        else:
+            res = DEFAULT_MEM_RESERVED_GIB.get(self.vendor, DEFAULT_MEM_RESERVED_GIB_ACCEL) * 2**30
+        return max(0, int(self.mem_bytes * (1 - frag) - res))
 
 
 @dataclass(frozen=True)
@@ -61,11 +101,33 @@ class Cluster:
     def count(self, chip: str) -> int:
         return sum(g.chips for g in self.groups if g.chip == chip)
 
+    def groups_of(self, chip: str) -> tuple:
+        return tuple(g for g in self.groups if g.chip == chip)
+
     def group(self, chip: str) -> NodeGroup:
-        for g in self.groups:
-            if g.chip == chip:
-                return g
-        raise KeyError(chip)
+        """The node group a chip type's stages are costed on. One group: itself. Several (the
+        same chip in nodes of different shapes or links): every one of them counts, as the group
+        that bounds them all — replicas of a stage run identical streams, so the slowest node
+        sets the pace: fewest chips per node, slowest intra-node link and per-chip NIC share,
+        longest latencies; its chips are all the type's chips."""
+        gs = self.groups_of(chip)
+        if not gs:
+            raise KeyError(chip)
+        if len(gs) == 1:
+            return gs[0]
+        cache = self.__dict__.setdefault("_merged_groups", {})
+        if chip not in cache:
+            cpn = min(g.chips_per_node for g in gs)
+            share = min(g.nics_per_node * g.nic_bw / g.chips_per_node for g in gs)
+            total = sum(g.chips for g in gs)
+            ifaces = {g.iface for g in gs}
+            cache[chip] = NodeGroup(
+                chip=chip, nodes=-(-total // cpn), chips_per_node=cpn,
+                intra_bw=min(g.intra_bw for g in gs), nics_per_node=1, nic_bw=share * cpn,
+                intra_latency=max(g.intra_latency for g in gs),
+                inter_latency=max(g.inter_latency for g in gs),
+                iface=ifaces.pop() if len(ifaces) == 1 else None)
+        return cache[chip]
 
     def chip(self, name: str) -> ChipType:
         return self.chip_types[name]

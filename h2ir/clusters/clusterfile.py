@@ -36,7 +36,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
+from h2ir.clusters.cluster import OP_CLASSES, ChipType, Cluster, NodeGroup
 from h2ir.errors import H2Error, read_user_file, too_deep
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog" / "chips.toml"
@@ -48,7 +48,8 @@ GIB = 2 ** 30
 
 _TOP_KEYS = ("name", "dtype", "chips", "nodes")
 _CHIP_KEYS = ("base", "vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs", "efficiency",
-              "price_per_hour", "power_w", "measured")
+              "price_per_hour", "power_w", "measured", "fused_attention", "mem_reserved_gib",
+              "mem_fragmentation")
 _CATALOG_KEYS = tuple(k for k in _CHIP_KEYS if k != "base")
 _REQUIRED_CHIP_KEYS = ("vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs")
 _NODE_KEYS = ("chip", "count", "chips_per_node", "intra_bw_gbs", "nics_per_node", "nic_gbps",
@@ -147,6 +148,8 @@ def _chip_from_table(r: "_Reader", name: str, spec: dict, path: tuple) -> ChipTy
         fields["peak_tflops"] = dict(fields.get("peak_tflops", {}))
     overrides = _chip_fields(r, spec, path)
     peak = overrides.pop("peak_tflops", None)
+    if isinstance(overrides.get("efficiency"), dict) and isinstance(fields.get("efficiency"), dict):
+        overrides["efficiency"] = {**fields["efficiency"], **overrides["efficiency"]}
     fields.update(overrides)
     if peak is not None:
         fields.setdefault("peak_tflops", {}).update(peak)
@@ -173,17 +176,44 @@ def _chip_fields(r: "_Reader", spec: dict, path: tuple) -> dict:
         if key in spec:
             out[key] = r.positive(spec, path + (key,), _UNIT[key])
     if "efficiency" in spec:
-        eff = r.positive(spec, path + ("efficiency",), "fraction of peak")
-        if eff > 1:
-            r.fail(path + ("efficiency",), f"expected a fraction of peak in (0, 1], got {eff}")
-        out["efficiency"] = eff
+        # one fraction of peak for every op class, or a table per op class (OP_CLASSES)
+        if isinstance(spec["efficiency"], dict):
+            tab = r.table(spec, path + ("efficiency",), required=True)
+            r.only_keys(tab, path + ("efficiency",), OP_CLASSES, "op class")
+            out["efficiency"] = {k: _fraction(r, tab, path + ("efficiency", k)) for k in tab}
+        else:
+            out["efficiency"] = _fraction(r, spec, path + ("efficiency",))
     if "measured" in spec:
         out["measured"] = r.boolean(spec, path + ("measured",))
+    if "fused_attention" in spec:
+        out["fused_attention"] = r.boolean(spec, path + ("fused_attention",))
+    if "mem_reserved_gib" in spec:
+        v = spec["mem_reserved_gib"]
+        if v != 0:
+            v = r.positive(spec, path + ("mem_reserved_gib",), "GiB")
+        out["mem_reserved_gib"] = v
+    if "mem_fragmentation" in spec:
+        v = spec["mem_fragmentation"]
+        if v != 0:
+            v = _fraction(r, spec, path + ("mem_fragmentation",))
+            if v >= 1:
+                r.fail(path + ("mem_fragmentation",), f"expected a fraction below 1, got {v}")
+        out["mem_fragmentation"] = v
     return out
 
 
+def _fraction(r: "_Reader", table: dict, path: tuple) -> float:
+    v = r.positive(table, path, "fraction")
+    if v > 1:
+        r.fail(path, f"expected a fraction in (0, 1], got {v}")
+    return v
+
+
 def _make_chip(name: str, f: dict) -> ChipType:
-    extra = {k: f[k] for k in ("efficiency", "price_per_hour", "power_w", "measured") if k in f}
+    extra = {k: f[k] for k in ("efficiency", "price_per_hour", "power_w", "measured",
+                               "fused_attention", "mem_fragmentation") if k in f}
+    if "mem_reserved_gib" in f:
+        extra["mem_reserved_bytes"] = int(f["mem_reserved_gib"] * GIB)
     return ChipType(
         name=name, backend=f["backend"], vendor=f["vendor"],
         peak_flops={dt: v * 1e12 for dt, v in f["peak_tflops"].items()},
@@ -228,7 +258,7 @@ def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> Node
 # Upper bounds of the numeric fields (file units): a figure past these is a typo, and the
 # resource model's arithmetic (bytes as int, FLOP/s products) stays finite. Each is far past any
 # chip or network sold.
-_MAX = {"peak_tflops": 1e6, "mem_gib": 1e6, "mem_bw_gbs": 1e7, "price_per_hour": 1e9,
+_MAX = {"peak_tflops": 1e6, "mem_gib": 1e6, "mem_reserved_gib": 1e6, "mem_bw_gbs": 1e7, "price_per_hour": 1e9,
         "power_w": 1e7, "intra_bw_gbs": 1e7, "nic_gbps": 1e8, "intra_latency_us": 1e9,
         "inter_latency_us": 1e9, "count": 10 ** 9, "chips_per_node": 10 ** 6,
         "nics_per_node": 10 ** 6}
