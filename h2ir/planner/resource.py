@@ -328,7 +328,33 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
     copies = tied_copy_bytes(costs, plan, stage_index)
     if copies:     # a copy of a tied parameter: weights and a gradient buffer, no optimizer state
         items["tied_copies"] = int(copies * (la.state.weights + la.state.grads) / st.tp)
-    return MemoryBreakdown(capacity=int(chip.mem_bytes), items=items, inflight=inflight)
+    scores = attention_score_bytes(la, chip, st.tp, a, b)
+    if scores:
+        # without recomputation every in-flight micro-batch keeps every block's scores; with
+        # full recomputation only the block being re-run holds them
+        nb = max(1, int(la.is_block[a:b].sum()))
+        items["attention_scores"] = int(scores / nb if st.recompute == "full" else scores * inflight)
+    return MemoryBreakdown(capacity=device_capacity(chip), items=items, inflight=inflight)
+
+
+def device_capacity(chip: ChipType) -> int:
+    """Bytes a plan may fill on one chip: its memory less the headroom the cluster file states
+    (runtime context, communication buffers, fragmentation; `ChipType.usable_mem_bytes`)."""
+    return int(chip.usable_mem_bytes)
+
+
+def attention_score_bytes(la: "LayerArrays", chip: ChipType, tp: int, a: int, b: int) -> float:
+    """Per device, one micro-batch: the s x s attention scores that blocks [a, b) keep for
+    backward on a chip without a fused attention kernel. Traced costs assume a fused kernel
+    (SDPA saves only its output and log-sum-exp); an unfused softmax(QK^T)V saves the softmax
+    output, b * heads * s^2 elements per block (Korthikanti et al. 2022, Sec. 4.1: the 2as^2b
+    bytes of the softmax output in 16-bit; the dropout mask and its output are absent at p = 0),
+    split over TP by heads."""
+    if chip.fused_attention or not la.costs.n_heads:
+        return 0.0
+    c = la.costs
+    per_block = c.micro_batch * c.n_heads * c.seq_len ** 2 * la.act_scale * c.dtype_bytes
+    return float(la.is_block[a:b].sum()) * per_block / tp
 
 
 def tied_copy_bytes(costs: ModelCosts, plan: Plan, stage_index: int) -> int:
@@ -426,11 +452,13 @@ def p2p_time(nbytes: float, cluster: Cluster, chip_a: str, tp_a: int, chip_b: st
 
 @dataclass(frozen=True)
 class ChipRates:
-    flops: float                 # achievable FLOP/s on transformer layers
+    flops: float                 # achievable FLOP/s on dense matmuls
     mem_bw: float                # B/s, for memory-bound work (optimizer step)
     peak_flops: float            # denominator of MFU
     source: str                  # 'catalog' or 'measured'
     backend: str = ""
+    attn_flops: float = 0.0      # achievable FLOP/s on the attention core (0: same as flops)
+    act_bw: float = 0.0          # achievable B/s on memory-bound layer work (0: mem_bw)
 
 
 def measured_calibration(backend: str, calibration=None):
@@ -457,8 +485,29 @@ def chip_rates(chip: ChipType, cluster: Cluster, calibration=None) -> ChipRates:
     peak = chip.peak_flops.get(cluster.dtype) or chip.peak_flops.get("fp32")
     if not peak:
         raise H2Error(f"chip {chip.name!r} has no peak FLOP/s for {cluster.dtype} or fp32")
-    return ChipRates(flops=chip.flops(cluster.dtype), mem_bw=chip.mem_bw, peak_flops=peak,
-                     source="catalog", backend=chip.backend)
+    return ChipRates(flops=chip.flops(cluster.dtype, "matmul"), mem_bw=chip.mem_bw,
+                     peak_flops=peak, source="catalog", backend=chip.backend,
+                     attn_flops=chip.flops(cluster.dtype, "attention"),
+                     act_bw=chip.mem_bw * chip.eff("memory"))
+
+
+def layer_op_split(la: "LayerArrays", i: int) -> tuple[float, float, float, float, float]:
+    """Layer i's work by op class, per micro-batch: (matmul fwd FLOPs, attention fwd FLOPs,
+    matmul bwd, attention bwd, memory-bound fwd bytes); memory-bound bwd bytes are twice the
+    forward's.
+
+    Attention core of a block: 4*b*s^2*d forward (QK^T and PV, dense count, FlashAttention-2,
+    Dao 2023, Sec. 4.1, as h2ir/opset.py counts it), backward 2.5x (ibid.: five matmuls to the
+    forward's two). Memory-bound work (norms, rotary, activations, residual adds, softmax,
+    loss): each activation the layer saves is written once and read once in the forward, and
+    read plus its gradient written and read in the backward (a roofline estimate, Williams et al.
+    2009: these ops do O(1) FLOPs per byte)."""
+    l = la.layers[i]
+    c = la.costs
+    attn_f = 4.0 * c.micro_batch * c.seq_len ** 2 * c.d_model if la.is_block[i] else 0.0
+    attn_f = min(attn_f, 0.5 * l.fwd_flops)
+    attn_b = min(2.5 * attn_f, 0.5 * l.bwd_flops)
+    return (l.fwd_flops - attn_f, attn_f, l.bwd_flops - attn_b, attn_b, 2.0 * la.act[i])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,12 +580,27 @@ class ResourceModel:
         for i, l in enumerate(la.layers):
             measured = self._measured_layer_time(r, l)
             if measured is not None:
-                # h2c profile / compiled-program timings, per layer kind, scaled to this layer
-                f_c, b_c = measured[0] / tp, measured[1] / tp
-            else:
-                # compute: FLOPs / achievable FLOP/s, split over TP (Megatron-LM Sec. 3)
+                # h2c profile timings of this very layer. Under TP only the matmul share splits
+                # over the ranks (at most FLOPs / the measured matmul rate); the rest — norms,
+                # elementwise ops, per-op dispatch — runs replicated on every rank (Megatron-LM
+                # without sequence parallelism: Korthikanti et al. 2022 Sec. 4.2.1).
+                mm_f = min(measured[0], l.fwd_flops / r.flops)
+                mm_b = min(measured[1], l.bwd_flops / r.flops)
+                f_c = mm_f / tp + (measured[0] - mm_f)
+                b_c = mm_b / tp + (measured[1] - mm_b)
+            elif r.source == "measured":
+                # a measured chip without a record of this layer: FLOPs / measured matmul rate
                 f_c = l.fwd_flops / (tp * r.flops)
                 b_c = l.bwd_flops / (tp * r.flops)
+            else:
+                # per op class: matmul and attention FLOPs at their achievable rates, split over
+                # TP (Megatron-LM Sec. 3); memory-bound bytes at the achievable bandwidth,
+                # replicated on every TP rank (Korthikanti et al. 2022 Sec. 4.2.1)
+                mm_f, at_f, mm_b, at_b, mem = layer_op_split(la, i)
+                af = r.attn_flops or r.flops
+                bw = r.act_bw or r.mem_bw
+                f_c = (mm_f / r.flops + at_f / af) / tp + mem / bw
+                b_c = (mm_b / r.flops + at_b / af) / tp + 2 * mem / bw
             comm = 0.0
             if tp > 1 and tp_estimate:
                 # Megatron-LM (Shoeybi et al. 2019) Sec. 3, Fig. 4: two all-reduces of the b*s*d
