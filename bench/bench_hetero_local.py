@@ -1,52 +1,101 @@
-"""Heterogeneous planning on this machine: HeteroAuto against the uniform split on local-mixed
-(one torch worker + one numpy worker), with the planner's predicted step time beside each.
+"""Heterogeneous planning on this machine: HeteroAuto against the uniform split, with the
+planner's predicted step time beside each measured one, on `local` (two torch workers),
+`local-mixed` (torch + numpy) and `local-mixed4` (two of each on the 2 cores).
 
 - anchor: `--plan uniform` (even layer split, cluster order) on the same cluster, same run
 - h2: `--plan auto` (HeteroAuto with measured per-layer times of both backends)
 
-Prints measured median step times, the speed ratio uniform/auto (> 1 means auto is faster), and
-each plan's predicted-vs-measured step-time error.
+The calibration is taken in this run: a fresh calibration file, so the first compile measures
+the backends and llama_tiny's layer times (`h2c compile` does that for `measured` chips). Each
+plan is compiled once and run `--runs` times, the two plans alternating. Then another model
+(llama_tiny at d=128, 4 layers) is compiled on every cluster, which records its own layer times
+into the same file, and each llama_tiny plan is compiled and run once more: its prediction must
+not move (the records are keyed by model content and shapes, never mixed up by name).
 
-    .venv/bin/python bench/bench_hetero_local.py [--steps 8]
+Prints per run measured median step time and the predicted-vs-measured error, and per cluster
+the throughput ratio auto / uniform (> 1: auto faster).
+
+    .venv/bin/python bench/bench_hetero_local.py [--steps 8] [--runs 3] [--clusters a,b]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+MODEL = str(ROOT / "examples/llama_tiny.py")
+OTHER_ARGS = {"dim": 128, "n_layers": 4, "ffn": 344}
 
 
-def measure(plan: str, steps: int) -> dict:
-    from executor.launcher import predicted_step_time, run
-    from executor.build import BuildDir
+def build(cluster: str, plan: str, model_args: dict | None = None) -> dict:
     from frontend.compiler import compile_model
-    out = tempfile.mkdtemp(prefix=f"h2-{plan}-") + "/B"
-    res = compile_model(str(ROOT / "examples/llama_tiny.py"), cluster_arg="local-mixed",
-                        plan_arg=plan, out_dir=out, log=lambda *a: None)
-    r = run(out, steps=steps, out=lambda *a: None, predict=False)
-    pred = predicted_step_time(BuildDir(out)).step_time_s
-    layers = [f"{s.chip}:{len(s.layers)}" for s in res.plan.stages]
-    return {"measured": statistics.median(r.step_s[1:]), "predicted": pred, "layers": layers,
-            "mb": res.plan.micro_batch, "m": res.plan.num_microbatches}
+    out = tempfile.mkdtemp(prefix=f"h2-{cluster}-{plan}-") + "/B"
+    log: list = []
+    res = compile_model(MODEL, model_args=model_args, cluster_arg=cluster, plan_arg=plan,
+                        out_dir=out, log=log.append)
+    return {"out": out, "plan": res.plan, "measured_layers": any("measuring" in m for m in log),
+            "layers": [f"{s.chip}" + (f"(tp{s.tp})" if s.tp > 1 else "") + f":{len(s.layers)}"
+                       for s in res.plan.stages]}
+
+
+def run_once(b: dict, steps: int) -> tuple[float, float]:
+    from executor.build import BuildDir
+    from executor.launcher import predicted_step_time, run
+    r = run(b["out"], steps=steps, out=lambda *a: None, predict=False)
+    pred = predicted_step_time(BuildDir(b["out"])).step_time_s
+    return statistics.median(r.step_s[1:]), pred
+
+
+def err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--clusters", default="local,local-mixed,local-mixed4")
     a = ap.parse_args()
-    uni = measure("uniform", a.steps)
-    auto = measure("auto", a.steps)
-    print("llama_tiny on local-mixed (cpu-torch + cpu-numpy workers), global batch 16 x 128")
-    for name, r in (("uniform (anchor)", uni), ("auto (HeteroAuto)", auto)):
-        err = (r["predicted"] - r["measured"]) / r["measured"]
-        print(f"  {name:18s} stages {' | '.join(r['layers'])}  micro-batch {r['mb']} x {r['m']}: "
-              f"measured {r['measured']:.3f} s/step, predicted {r['predicted']:.3f} s ({err:+.1%})")
-    print(f"  ratio auto / uniform throughput: {uni['measured'] / auto['measured']:.2f}")
+    cal_dir = tempfile.mkdtemp(prefix="h2-bench-cal-")
+    os.environ["H2_CALIBRATION"] = str(Path(cal_dir) / "calibration.json")
+    t0 = time.perf_counter()
+    print(f"llama_tiny, global batch 16 x 128, {a.steps} steps per run (median of steps 2..), "
+          f"fresh calibration measured in this run; load average {os.getloadavg()[0]:.2f} at start")
+    errors = []
+    for cluster in a.clusters.split(","):
+        builds = {p: build(cluster, p) for p in ("uniform", "auto")}
+        meas = {p: [] for p in builds}
+        print(f"{cluster}:")
+        for p, b in builds.items():
+            print(f"  {p:8s} stages {' | '.join(b['layers'])}  micro-batch {b['plan'].micro_batch}"
+                  f" x {b['plan'].num_microbatches}")
+        for i in range(a.runs):
+            for p, b in builds.items():
+                m, pred = run_once(b, a.steps)
+                meas[p].append(m)
+                errors.append(err(pred, m))
+                print(f"    run {i + 1} {p:8s} measured {m:.3f} s/step, predicted {pred:.3f} s "
+                      f"({err(pred, m):+.1%})")
+        # another model's layer times land in the same calibration file; ours must not move
+        build(cluster, "auto", OTHER_ARGS)
+        for p in builds:
+            again = build(cluster, p)
+            m, pred = run_once(again, a.steps)
+            errors.append(err(pred, m))
+            print(f"    after another model's compile {p:8s} stages {' | '.join(again['layers'])}"
+                  f" (re-measured: {'yes' if again['measured_layers'] else 'no'}): measured "
+                  f"{m:.3f} s/step, predicted {pred:.3f} s ({err(pred, m):+.1%})")
+        ratio = statistics.median(meas["uniform"]) / statistics.median(meas["auto"])
+        print(f"  ratio auto / uniform throughput (medians of {a.runs} runs): {ratio:.2f}")
+    print(f"predicted vs measured over all {len(errors)} runs: worst {max(errors, key=abs):+.1%}, "
+          f"mean |error| {statistics.mean(abs(e) for e in errors):.1%}; "
+          f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
