@@ -289,7 +289,7 @@ def test_oversized_pre_auth_fields_are_rejected_quickly(comms):
                         reply += chunk
                 except ConnectionResetError:        # closed with our unread bytes in its buffer
                     pass
-            assert time.perf_counter() - t < 1.0, name
+            assert time.perf_counter() - t < 3.0, name    # the bug: seconds of hashing, then the hang detector
             assert not reply or msgpack.unpackb(reply[PREFIX_BYTES:])["op"] == "reject", name
         deadline = time.monotonic() + 2
         while len(c0.rejected) < len(HOSTILE) and time.monotonic() < deadline:
@@ -343,16 +343,16 @@ _handshake_bytes = st.one_of(
     st.binary(max_size=200),
     st.tuples(st.integers(0, (1 << 32) - 1), st.binary(max_size=64)).map(
         lambda t: PREFIX.pack(b"h2", 2, CONTROL, t[0]) + t[1]))
-FUZZ = settings(max_examples=150, deadline=500, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
 @given(_handshake_bytes)
 def test_fuzz_handshake_accept(data):
-    t = time.perf_counter()
+    t = time.process_time()          # CPU time: bounded work, whatever the machine's load
     with pytest.raises(CommError):
         handshake.accept(_BytesStream(data), 0, KEY, lambda *a: b"", world_size=4)
-    assert time.perf_counter() - t < 0.2
+    assert time.process_time() - t < 1.0
 
 
 @FUZZ
@@ -1050,11 +1050,11 @@ def test_plan_batch_past_the_bounds(batch, what, tmp_path, costs_json, capsys):
 
 
 def test_global_batch_past_the_micro_batch_bound_is_refused_fast(costs_json, tmp_path, capsys):
-    t0 = time.perf_counter()
+    t0 = time.process_time()         # CPU time; the bug planned for over 2 minutes
     code, err = h2c(["plan", str(costs_json), "--global-batch", str(1 << 24), "--no-speedup",
                      "--cluster", str(cluster_file(tmp_path, LOCAL))], capsys)
     assert_clean(code, err, "micro-batches per step")
-    assert time.perf_counter() - t0 < 10
+    assert time.process_time() - t0 < 30
 
 
 # ---- h2x flags -----------------------------------------------------------------------------------
@@ -1266,9 +1266,11 @@ def test_divisors_by_factoring():
     from h2ir.planner.search import divisors
     for n in (1, 2, 12, 97, 360, 1024, 9973 * 2):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
-    t0 = time.perf_counter()
+    # CPU time of this process (not wall time: other jobs on the machine do not move it); a
+    # linear scan would need ~10^12 steps, factoring needs ~10^6
+    t0 = time.process_time()
     assert len(divisors(10 ** 12)) == 169 and divisors(999_999_999_989) == [1, 999_999_999_989]
-    assert time.perf_counter() - t0 < 2
+    assert time.process_time() - t0 < 10
 
 
 @pytest.mark.parametrize("count, per_node", [(10 ** 9, 1), (1000, 10 ** 6)])
@@ -1277,12 +1279,13 @@ def test_a_billion_chips_plans_in_seconds(count, per_node, tmp_path, costs_json,
     text = re.sub(r"(?m)^count\s*=.*$", f"count = {count}", LOCAL)
     text = re.sub(r"(?m)^chips_per_node\s*=.*$", f"chips_per_node = {per_node}", text)
     f = cluster_file(tmp_path, text)
-    t0 = time.perf_counter()
+    t0 = time.process_time()          # this process's CPU time: load from other jobs does not move it
     code, err = h2c(["plan", str(costs_json), "--cluster", str(f), "--no-speedup", "--json"],
                     capsys)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert code == 0, err
-    assert took < 10, f"planning 10^9 chips took {took:.1f} s"
+    # ~2 CPU-s measured; a search linear in the chip count took > 100 s
+    assert took < 30, f"planning 10^9 chips took {took:.1f} CPU-s"
 
 
 # ---- a scan over every entry point ---------------------------------------------------------------
