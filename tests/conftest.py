@@ -27,3 +27,26 @@ def run_cli(*args, timeout=300, **kw):
 def tiny_graph():
     from frontend.capture import capture
     return capture(str(ROOT / "examples/llama_tiny.py"), {"n_layers": 2}, 2, 32)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live (non-zombie) child processes of `pid`, from /proc."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(p.name))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, child_pids, pid_alive, run_cli
 
 STEPS = 20
 COMMON = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "n_layers=2",
@@ -90,27 +90,6 @@ def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
     assert {"step", "loss", "tokens_per_s", "step_s"} <= set(first)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(p.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _launch(build, *args):
     exe = Path(sys.executable).parent / "h2x"
     return subprocess.Popen([str(exe), "run", str(build), *args], cwd=ROOT, text=True,
@@ -132,7 +111,7 @@ def test_dead_or_hung_worker_stops_the_run(builds, how):
     proc = _launch(b, "--steps", "400")
     try:
         _wait_for_step(proc, 2)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2
         victim = max(workers)            # started second: worker w1
         t0 = time.monotonic()
@@ -148,8 +127,8 @@ def test_dead_or_hung_worker_stops_the_run(builds, how):
     assert "worker w1" in err and "last instruction" in err and "Traceback" not in err
     time.sleep(0.5)
     if how == signal.SIGSTOP:
-        os.kill(victim, signal.SIGCONT) if _alive(victim) else None
-    assert not any(_alive(p) for p in workers), "orphan worker processes left behind"
+        os.kill(victim, signal.SIGCONT) if pid_alive(victim) else None
+    assert not any(pid_alive(p) for p in workers), "orphan worker processes left behind"
 
 
 def test_resume_reproduces_uninterrupted_run(builds, tmp_path):
@@ -164,7 +143,7 @@ def test_resume_reproduces_uninterrupted_run(builds, tmp_path):
     proc = _launch(b, "--steps", "400", "--checkpoint-every", "3")
     try:
         _wait_for_step(proc, 7)
-        for p in _children(proc.pid):
+        for p in child_pids(proc.pid):
             os.kill(p, signal.SIGKILL)
             break
         assert proc.wait(timeout=30) != 0

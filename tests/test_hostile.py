@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, child_pids, pid_alive, run_cli
 from executor import dicomm
 from executor.dicomm import handshake
 from executor.dicomm.checksum import digest as payload_digest
@@ -470,14 +470,7 @@ def test_default_run_listens_on_loopback_only(tmp_path):
 TINY = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "n_layers=2",
         "--arg", "max_seq=64", "--arg", "vocab=256", "--arg", "dim=64", "--arg", "n_heads=4",
         "--arg", "ffn=128"]
-CKPT_PLAN = """model    "examples/llama_tiny.py"
-cluster  "local"
-batch    global=4 micro=2 seq=32
-schedule 1f1b
-dp       1
-stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
-stage chip=cpu-torch chips=1 tp=1 layers=1, head
-"""
+CKPT_PLAN = RUN_PLAN        # the same two-stage tiny plan
 OTHER_DATA = ["--data", "examples/llama_tiny.py", "--data-format", "bytes"]
 
 
@@ -627,26 +620,6 @@ def test_checkpoint_of_another_build_is_refused(trained, tmp_path):
     assert "belongs to a different build" in r.stderr and step(6) in r.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(p.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_second_run_on_a_build_refuses(trained, tmp_path):
     from executor.checkpoint import resume_point
     from executor.rundir import RunLock
@@ -665,7 +638,7 @@ def test_second_run_on_a_build_refuses(trained, tmp_path):
         else:
             raise AssertionError("first run ended early: " + first.stderr.read())
         threading.Thread(target=first.stdout.read, daemon=True).start()   # keep its pipe drained
-        workers = _children(first.pid)
+        workers = child_pids(first.pid)
         r = run_cli("h2x", "run", str(b), "--steps", "4", "--checkpoint-every", "2")
         _clean_error(r)
         assert "another h2x run is using this build directory" in r.stderr
@@ -680,7 +653,7 @@ def test_second_run_on_a_build_refuses(trained, tmp_path):
     s, _ = resume_point(b / "ckpt", _fingerprint(b), 2, notes.append)   # the first run's, sound
     assert s >= 20
     assert not any(tmp.iterdir()), list(tmp.iterdir())       # removed after KeyboardInterrupt too
-    assert workers and not any(_alive(p) for p in workers), "orphan workers"
+    assert workers and not any(pid_alive(p) for p in workers), "orphan workers"
     with RunLock(b):                          # released when its holder ended
         pass
 
