@@ -42,8 +42,10 @@ def _layer(params=100, flops=1000):
 
 def test_foreign_stale_and_noisy_records_are_named():
     assert problems(_rec()) == []
-    other = dict(host_info(), node="elsewhere")
+    other = dict(host_info(), node="elsewhere", boot_id="another-kernel")
     assert any(p.startswith("foreign") for p in problems(_rec(host=other)))
+    # an emulated host (examples/testbed: its own hostname, this machine's kernel) is this one
+    assert problems(_rec(host=dict(host_info(), node="h2tb-0a1b2c-h1"))) == []
     old = dt.datetime.now() - dt.timedelta(days=40)
     assert any(p.startswith("stale") for p in problems(_rec(when=old)))
     assert any("versions" in p for p in problems(_rec(software={"torch": "1.0"}),
@@ -53,7 +55,7 @@ def test_foreign_stale_and_noisy_records_are_named():
 
 def test_planner_skips_foreign_and_stale_records_and_reports_them():
     cal = Calibration(records={})
-    good, foreign = _rec(fwd=0.003), _rec(fwd=0.1, sha="other", host=dict(host_info(), node="x"))
+    good, foreign = _rec(fwd=0.003), _rec(fwd=0.1, sha="other", host=dict(host_info(), node="x", boot_id="y"))
     foreign["measured_at"] = (dt.datetime.now() + dt.timedelta(seconds=1)).strftime(TIME_FORMAT)
     cal.add_record(good)
     fid = cal.add_record(foreign)
@@ -113,7 +115,7 @@ def test_compile_remeasures_changed_model_foreign_host_and_stale_records(tmp_pat
     ensure()
     assert len(calls) == 2
     # a record from another host, then a stale one: measured again, and said why
-    for tamper, word in (({"host": dict(host_info(), node="other-host")}, "foreign"),
+    for tamper, word in (({"host": dict(host_info(), node="other-host", boot_id="b")}, "foreign"),
                          ({"measured_at": "2020-01-01T00:00:00"}, "stale")):
         c = load_calibration()
         for r in c.records.values():
@@ -132,7 +134,7 @@ def test_foreign_backend_speeds_are_measured_again(tmp_path):
     p = tmp_path / "c.json"
     cal = Calibration(backends={"numpy": {"matmul_flops": 1.0, "mem_bw": 1.0, "threads": 1,
                                           "measured_at": "2026-01-01T00:00:00",
-                                          "host": dict(host_info(), node="other")}})
+                                          "host": dict(host_info(), node="other", boot_id="b")}})
     save_calibration(cal, p)
     logs = []
     got = ensure_calibration(["numpy"], path=p, log=logs.append)

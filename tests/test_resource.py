@@ -264,3 +264,55 @@ def test_unknown_backend_cannot_be_measured_here(tmp_path, monkeypatch):
     monkeypatch.setenv("H2_CALIBRATION", str(tmp_path / "c.json"))
     with pytest.raises(H2Error, match="unknown backend"):
         ensure_calibration(["cann"])
+
+
+# -- links by where the build puts each worker (LinePlacement) -------------------------------------
+
+def testbed_cluster(nic_bw=12.5e6, intra_bw=2e9):
+    return Cluster("tb", {"X": chip("X")}, (NodeGroup("X", 2, 2, intra_bw=intra_bw, nics_per_node=1,
+                                                     nic_bw=nic_bw),), dtype="fp32")
+
+
+def test_placement_follows_worker_hosts_and_shares_each_nic():
+    from h2ir.planner.resource import LinePlacement
+    from h2ir.schedule.streams import WorkerLayout, worker_hosts
+    cl = testbed_cluster()
+    # 2 stages x dp 2 on 2 hosts of 2 chips: a replica per host (replica-major ids), so each
+    # stage's all-reduce crosses and the stage boundary does not
+    dp2 = LinePlacement(cl, (("X", 1), ("X", 1)), 2)
+    assert list(dp2.hosts) == worker_hosts(WorkerLayout(2, (1, 1)), ["X", "X"], cl) == [0, 0, 1, 1]
+    assert dp2.crossing == {"boundaries": [], "allreduce": [0, 1]}
+    assert dp2.boundary(0) == (cl.groups[0].intra_latency, 2e9)
+    # both stages' rings leave each host: the NIC is split between the two
+    B = 20e6
+    assert dp2.allreduce_time(0, B) == pytest.approx(ring_allreduce_time(B, 2, 12.5e6 / 2, 10e-6))
+    # 4 stages, dp 1: only the boundary 1 -> 2 crosses; its sender has the NIC to itself
+    pp4 = LinePlacement(cl, (("X", 1),) * 4, 1)
+    assert pp4.crossing == {"boundaries": [1], "allreduce": []}
+    assert pp4.boundary(1) == (10e-6, 12.5e6) and pp4.boundary(0)[1] == 2e9
+    # 1 stage x dp 4: one ring w0 w1 w2 w3, one edge leaving each host, paced by it
+    dp4 = LinePlacement(cl, (("X", 1),), 4)
+    assert dp4.allreduce_time(0, B) == pytest.approx(ring_allreduce_time(B, 4, 12.5e6, 10e-6))
+    # dp 2 of 1 stage: both replicas on host 0, the ring stays inside
+    dp2one = LinePlacement(cl, (("X", 1),), 2)
+    assert dp2one.crossing["allreduce"] == []
+    assert dp2one.allreduce_time(0, B) == pytest.approx(ring_allreduce_time(B, 2, 2e9, 5e-6))
+
+
+def test_stage_times_cost_the_links_the_build_opens():
+    """The simulator's all-reduce and p2p times come from the placement, so a plan whose
+    all-reduce crosses a slow NIC is costed by it and one that keeps it inside is not."""
+    from h2ir.planner.simulate import simulate
+    c, cl = costs(layers=4, d=256, seq=128), testbed_cluster()
+    names = c.layer_names()
+    dp2 = plan_of(c, [StagePlan("X", 2, names[:3]), StagePlan("X", 2, names[3:])], dp=2, gb=8)
+    pp4 = plan_of(c, [StagePlan("X", 1, names[a:b]) for a, b in ((0, 2), (2, 3), (3, 4), (4, 6))],
+                  dp=1, gb=8)
+    rm = ResourceModel(c, cl, 1, c.seq_len)
+    t = rm.stage_times(dp2, 0)
+    grads = sum(l.params for l in c.layers[:3]) * 4
+    assert t.dp_allreduce_s == pytest.approx(ring_allreduce_time(grads, 2, 12.5e6 / 2, 10e-6))
+    assert t.send_act_s == pytest.approx(cl.groups[0].intra_latency + c.layers[2].out_bytes / 2e9)
+    crossing = rm.stage_times(pp4, 1).send_act_s
+    assert crossing == pytest.approx(10e-6 + c.layers[2].out_bytes / 12.5e6)
+    assert simulate(c, pp4, cl).step_time_s < simulate(c, dp2, cl).step_time_s

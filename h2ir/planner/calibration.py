@@ -67,11 +67,20 @@ def calibration_path() -> Path:
 
 
 def host_info() -> dict:
-    """What identifies the machine a measurement belongs to."""
+    """What identifies the machine a measurement belongs to. `boot_id` names the running
+    kernel: processes in other network/UTS namespaces of the same machine (the emulated hosts
+    of examples/testbed, each with its own hostname) share it, and so share the hardware."""
     return {"node": platform.node(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
             "system": platform.system(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "boot_id": _boot_id()}
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cpu_model() -> str:
@@ -112,6 +121,8 @@ def problems(rec: dict, *, host: dict | None = None, software: dict | None = Non
     host = host if host is not None else host_info()
     theirs = rec.get("host") or {}
     diff = [k for k in _HOST_KEYS if k in theirs and theirs.get(k) != host.get(k)]
+    if theirs.get("boot_id") and theirs.get("boot_id") == host.get("boot_id"):
+        diff = [k for k in diff if k != "node"]     # same kernel: another namespace's hostname
     if not theirs:
         out.append("foreign: it records no host")
     elif diff:

@@ -32,6 +32,7 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
+from h2ir.schedule.streams import WorkerLayout, worker_hosts
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -447,6 +448,105 @@ def p2p_time(nbytes: float, cluster: Cluster, chip_a: str, tp_a: int, chip_b: st
     return lat + nbytes / bw
 
 
+def _hockney(nbytes: float, link: tuple[float, float]) -> float:
+    """latency + bytes / bandwidth (Hockney's model) over a (latency, bandwidth) link."""
+    return link[0] + nbytes / link[1] if nbytes > 0 else 0.0
+
+
+class LinePlacement:
+    """Where the workers of one line of stages run, and what that makes each link cost.
+
+    The hosts come from `h2ir.schedule.streams.worker_hosts`, the rule h2c writes into a
+    build's manifest (replica-major worker ids, each worker the next chip of its stage's type,
+    node by node), so the links costed here are the links h2x opens: shm inside a host, the
+    NIC between hosts. A NIC is shared by every flow that crosses it at once; each gets an equal
+    share (long-lived TCP flows through one bottleneck queue converge to equal rates: Chiu &
+    Jain 1989; the test bed's tbf is one FIFO per port, docs/testbed.md). Flows counted per
+    host and direction:
+
+    - p2p: the host's workers with a peer stage (same replica) on another host; activations and
+      gradients flow during the same pipeline phase, so they are counted together;
+    - DP all-reduce: the ring edges leaving the host, over the rings of every stage and TP rank
+      (the stages' all-reduces follow the pipeline flush, so they overlap).
+
+    A ring all-reduce moves in lock step, so its slowest edge paces it: 2(n-1)/n * B / bw_min
+    (Patarasuk & Yuan 2009), the ring in the dp group's order as DiComm runs it
+    (executor/dicomm/comm.py: reduce-scatter then all-gather, no hierarchical phase)."""
+
+    def __init__(self, cluster: Cluster, shapes: tuple, dp: int):
+        self.cluster = cluster
+        self.shapes = tuple(shapes)               # (chip, tp) per stage
+        self.layout = WorkerLayout(dp, tuple(tp for _, tp in self.shapes))
+        lay = self.layout
+        self.hosts = worker_hosts(lay, [c for c, _ in self.shapes], cluster)
+        S = len(self.shapes)
+        self.group_of = {}                        # host -> its NodeGroup (NIC rate)
+        for w, h in enumerate(self.hosts):
+            self.group_of.setdefault(h, cluster.group(self.shapes[lay.where(w)[1]][0]))
+        self.p2p_flows: dict = {}
+        for w in range(lay.num_workers):
+            r, s, _ = lay.where(w)
+            peers = [v for t in (s - 1, s + 1) if 0 <= t < S for v in lay.tp_group(r, t)]
+            if any(self.hosts[v] != self.hosts[w] for v in peers):
+                self.p2p_flows[self.hosts[w]] = self.p2p_flows.get(self.hosts[w], 0) + 1
+        self.ring_flows: dict = {}
+        self.rings = [[lay.dp_group(s, k) for k in range(tp)] for s, (_, tp) in enumerate(self.shapes)]
+        if dp > 1:
+            for rings in self.rings:
+                for ring in rings:
+                    for a, b in zip(ring, ring[1:] + ring[:1]):
+                        if self.hosts[a] != self.hosts[b]:
+                            self.ring_flows[self.hosts[a]] = self.ring_flows.get(self.hosts[a], 0) + 1
+
+    def _nic(self, h: int) -> float:
+        g = self.group_of[h]
+        return g.nics_per_node * g.nic_bw
+
+    def boundary(self, j: int, k: int | None = None) -> tuple[float, float]:
+        """(latency, bandwidth) between stage j and stage k (default j + 1), as `p2p_link`:
+        each TP rank sends 1/tp (scatter/gather, Narayanan et al. SC'21 Sec. 4.1). Inside a
+        host in every replica: the intra-node links; else each crossing sender's NIC share."""
+        k = j + 1 if k is None else k
+        (ca, ta), (cb, tb) = self.shapes[j], self.shapes[k]
+        ga, gb = self.cluster.group(ca), self.cluster.group(cb)
+        lay = self.layout
+        pairs = [(a, b) for r in range(lay.dp) for a in lay.tp_group(r, j) for b in lay.tp_group(r, k)]
+        cross = [(self.hosts[a], self.hosts[b]) for a, b in pairs if self.hosts[a] != self.hosts[b]]
+        if not cross:
+            return ga.intra_latency, min(ta, tb) * ga.intra_bw
+        share = min(min(self._nic(ha) / self.p2p_flows.get(ha, 1),
+                        self._nic(hb) / self.p2p_flows.get(hb, 1)) for ha, hb in cross)
+        return max(ga.inter_latency, gb.inter_latency), min(ta, tb) * share
+
+    def allreduce_time(self, j: int, nbytes: float) -> float:
+        """Stage j's gradient all-reduce (each TP rank's ring of its 1/tp shard, concurrently):
+        ring over the dp group in order, paced by its slowest edge."""
+        ring = self.rings[j][0]
+        n = len(ring)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        g = self.cluster.group(self.shapes[j][0])
+        bw, lat = g.intra_bw, g.intra_latency
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            ha, hb = self.hosts[a], self.hosts[b]
+            if ha != hb:
+                bw = min(bw, self._nic(ha) / self.ring_flows[ha], self._nic(hb) / self.ring_flows[hb])
+                lat = max(lat, g.inter_latency)
+        return ring_allreduce_time(nbytes, n, bw, lat)
+
+    @property
+    def crossing(self) -> dict:
+        """What crosses hosts: {'boundaries': [j, ...], 'allreduce': [stage, ...]} (reports)."""
+        S = len(self.shapes)
+        return {"boundaries": [j for j in range(S - 1) if self._crosses(j)],
+                "allreduce": [j for j in range(S) if len({self.hosts[w] for w in self.rings[j][0]}) > 1]}
+
+    def _crosses(self, j: int) -> bool:
+        lay = self.layout
+        return any(self.hosts[a] != self.hosts[b] for r in range(lay.dp)
+                   for a in lay.tp_group(r, j) for b in lay.tp_group(r, j + 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # compute rates
 
@@ -548,6 +648,17 @@ class ResourceModel:
         self._rates: dict = {}
         self._times: dict = {}
         self._cals: dict = {}
+        self._placements: dict = {}
+
+    def placement(self, shapes, dp: int) -> LinePlacement:
+        """The hosts of a line of stages ((chip, tp) per stage) with dp replicas, and its links."""
+        key = (tuple(shapes), dp)
+        if key not in self._placements:
+            self._placements[key] = LinePlacement(self.cluster, key[0], dp)
+        return self._placements[key]
+
+    def plan_placement(self, plan: Plan) -> LinePlacement:
+        return self.placement(tuple((st.chip, st.tp) for st in plan.stages), plan.dp)
 
     @property
     def L(self) -> int:
@@ -638,17 +749,24 @@ class ResourceModel:
         """Bytes of one micro-batch's activations leaving a stage that ends before layer b."""
         return float(self.la.out[b - 1])
 
-    def dp_allreduce_time(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1) -> float:
+    def dp_allreduce_time(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1,
+                          placement: LinePlacement | None = None, stage: int = 0) -> float:
         """Gradient all-reduce over the stage's dp replicas (data parallelism; Patarasuk & Yuan
-        ring, or hierarchical across nodes); gradients in the training dtype's grad width."""
+        ring); gradients in the training dtype's grad width. With `placement` (the line the
+        stage is `stage` of) the ring runs over the links the build's hosts give it."""
         if dp <= 1:
             return 0.0
         dev = self.la.device(tp, ep)
-        return self.grad_allreduce_time(chip, tp, dp, (dev.P_params[b] - dev.P_params[a]) * self.la.grad_bytes)
+        return self.grad_allreduce_time(chip, tp, dp, (dev.P_params[b] - dev.P_params[a]) * self.la.grad_bytes,
+                                        placement, stage)
 
-    def grad_allreduce_time(self, chip: str, tp: int, dp: int, nbytes: float) -> float:
+    def grad_allreduce_time(self, chip: str, tp: int, dp: int, nbytes: float,
+                            placement: LinePlacement | None = None, stage: int = 0) -> float:
+        """Without `placement`: replicas assumed on consecutive chips (`replica_geometry`)."""
         if dp <= 1:
             return 0.0
+        if placement is not None:
+            return placement.allreduce_time(stage, nbytes)
         g = self.cluster.group(chip)
         return group_allreduce_time(nbytes, g, replica_geometry(g, dp, tp))
 
@@ -685,17 +803,16 @@ class ResourceModel:
         if program_comm is not None:
             f += self.program_comm_time(st.chip, program_comm[0])
             bw += self.program_comm_time(st.chip, program_comm[1])
+        # links as the build's hosts give them (LinePlacement: worker_hosts, shared NICs)
+        place = self.plan_placement(plan)
         send_act = send_grad = 0.0
         if j + 1 < S:
-            nxt = plan.stages[j + 1]
-            send_act = p2p_time(self.boundary_bytes(b), self.cluster, st.chip, st.tp,
-                                nxt.chip, nxt.tp, plan.dp)
+            send_act = _hockney(self.boundary_bytes(b), place.boundary(j))
         if j > 0:
-            prv = plan.stages[j - 1]
-            send_grad = p2p_time(self.boundary_bytes(a), self.cluster, st.chip, st.tp,
-                                 prv.chip, prv.tp, plan.dp)
+            send_grad = _hockney(self.boundary_bytes(a), place.boundary(j - 1))
         return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
-                          dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep),
+                          dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep,
+                                                                place, j),
                           opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep),
                           tied_s=self.tied_time(plan, j))
 
@@ -705,9 +822,8 @@ class ResourceModel:
         nbytes = tied_exchange_bytes(self.costs, plan, j)
         if not nbytes:
             return 0.0
-        st = plan.stages[j]
-        other = plan.stages[-1] if j == 0 else plan.stages[0]
-        return p2p_time(nbytes, self.cluster, st.chip, st.tp, other.chip, other.tp, plan.dp)
+        other = plan.num_stages - 1 if j == 0 else 0
+        return _hockney(nbytes, self.plan_placement(plan).boundary(j, other))
 
     def stage_flops(self, plan: Plan, j: int) -> float:
         """Model FLOPs (forward + backward, no recompute) of one micro-batch on stage j, all TP."""
