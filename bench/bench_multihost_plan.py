@@ -1,5 +1,6 @@
 """The planner across emulated hosts: predicted against measured step time, and where
-`--plan auto` puts its heavy traffic, on 2 hosts x 2 workers (examples/testbed, tc tbf).
+`--plan auto` puts its heavy traffic, on 2 hosts x 2 workers, or x 1 with --per-host 1
+(examples/testbed, tc tbf).
 
 For each NIC rate (--rates, Mbit/s; default 1000 and 100) a cluster file is written for the run:
 examples/clusters/testbed-2host.toml (2 hosts x 2 CPU workers on the torch backend) with
@@ -22,6 +23,7 @@ worker's compute is slower than alone; the layer times are measured with every c
 Skips (exit 0, saying why) where network namespaces are unavailable.
 
     .venv/bin/python bench/bench_multihost_plan.py [--steps 6] [--rates 1000,100] [--plans ...]
+        [--per-host 1|2]
 """
 from __future__ import annotations
 
@@ -41,18 +43,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from bench_multihost import MODEL, cluster_file, load, run_two_hosts  # noqa: E402
 
 GLOBAL, SEQ = 16, 128
+# name -> (dp, stages' layers); each stage gets dp chips (tp 1). With 2 workers per host: dp2 puts
+# a replica per host (both all-reduces cross), pp4 one stage boundary across. With 1 worker per
+# host: dp2 is one stage x dp 2 (its all-reduce crosses), pp2 two stages (the boundary crosses).
 FIXED = {
-    "dp2": ("dp       2\n", [("embed", "0..3"), ("4..7", "head")]),
-    "pp4": ("dp       1\n", [("embed", "0..1"), ("2..3",), ("4..5",), ("6..7", "head")]),
+    "dp2": (2, [("embed", "0..3"), ("4..7", "head")]),
+    "pp4": (1, [("embed", "0..1"), ("2..3",), ("4..5",), ("6..7", "head")]),
+}
+FIXED_1 = {
+    "dp2": (2, [("embed", "0..7", "head")]),
+    "pp2": (1, [("embed", "0..3"), ("4..7", "head")]),
 }
 
 
-def fixed_plan(d: Path, name: str, cluster: Path) -> Path:
-    dp, stages = FIXED[name]
-    chips = 4 // len(stages)
+def fixed_plan(d: Path, name: str, cluster: Path, per_host: int = 2) -> Path:
+    dp, stages = (FIXED if per_host == 2 else FIXED_1)[name]
     text = (f'model    "{MODEL}"\ncluster  "{cluster}"\nbatch    global={GLOBAL} micro=1 seq={SEQ}\n'
-            f"schedule 1f1b\n{dp}" + "".join(
-                f"stage chip=cpu-torch chips={chips} tp=1 layers={', '.join(s)}\n" for s in stages))
+            f"schedule 1f1b\ndp       {dp}\n" + "".join(
+                f"stage chip=cpu-torch chips={dp} tp=1 layers={', '.join(s)}\n" for s in stages))
     p = d / f"{name}-{cluster.stem}.h2plan"
     p.write_text(text)
     return p
@@ -87,8 +95,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rates", default="1000,100")
-    ap.add_argument("--plans", default="uniform,auto,dp2,pp4")
+    ap.add_argument("--plans", default=None,
+                    help="default: uniform,auto,dp2,pp4 (2 per host), uniform,auto,dp2,pp2 (1)")
+    ap.add_argument("--per-host", type=int, default=2, choices=(1, 2),
+                    help="workers per emulated host (1: each worker has a core of its own here)")
     a = ap.parse_args()
+    a.plans = a.plans or ("uniform,auto,dp2,pp4" if a.per_host == 2 else "uniform,auto,dp2,pp2")
     from examples.testbed.netns import available
     ok, why = available()
     if not ok:
@@ -101,15 +113,15 @@ def main():
     d = Path(tempfile.mkdtemp(prefix="h2-bench-mhp-"))
     os.environ["H2_CALIBRATION"] = str(d / "calibration.json")
     print(f"llama_tiny, global batch {GLOBAL} x {SEQ}, 1F1B, fp32, 1 thread/worker; 2 emulated hosts "
-          f"x 2 workers on this machine's {os.cpu_count()} cores; {a.steps} steps per run (median of "
+          f"x {a.per_host} worker(s) on this machine's {os.cpu_count()} cores; {a.steps} steps per run (median of "
           f"steps 2..); calibration measured in this run; load average {load()} at start")
     errors = []
     for rate in [float(r) for r in a.rates.split(",")]:
-        cl = cluster_file(d, rate)
+        cl = cluster_file(d, rate, chips_per_node=a.per_host)
         print(f"{rate:g} Mbit/s between hosts (tbf), cluster nic_gbps = {rate / 1000:g}:")
         tput = {}
         for name in a.plans.split(","):
-            plan_arg = name if name in ("uniform", "auto") else str(fixed_plan(d, name, cl))
+            plan_arg = name if name in ("uniform", "auto") else str(fixed_plan(d, name, cl, a.per_host))
             build = str(d / f"{name}-{rate:g}")
             compile_model(MODEL, cluster_arg=str(cl), plan_arg=plan_arg, global_batch=GLOBAL,
                           seq_len=SEQ, out_dir=build, log=lambda *x: None)
