@@ -9,10 +9,13 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import MoEInfo
 from h2ir.errors import H2Error
 from h2ir.planner.resource import ResourceModel, analytic_llama_costs, stage_memory
-from h2ir.planner.search import (REL_TOL, Config, StageLine, _configs, chip_counts, hetero_speedup,
-                         memory_orders, search, uniform_plan)
+from h2ir.planner.search import (REL_TOL, Config, PlanSpace, StageLine, _configs, chip_counts,
+                                 hetero_speedup, memory_orders, search, share_batch, uniform_plan)
+from h2ir.planner.validate import validate_plan
 
 GiB = 2 ** 30
+# small random chips: no runtime reserve or fragmentation, so memory is what the instance says
+NO_HEADROOM = {"mem_reserved_bytes": 0, "mem_fragmentation": 0.0}
 
 
 def costs_100b():
@@ -28,7 +31,9 @@ def check_plan_is_sound(plan, costs, cluster):
     for s in plan.stages:
         assert s.chips == plan.dp * s.tp
         used[s.chip] = used.get(s.chip, 0) + s.chips
-    assert used == chip_counts(cluster)                       # every chip in use
+    have = chip_counts(cluster)
+    assert all(n <= have[c] for c, n in used.items())         # chips may stay idle
+    validate_plan(plan, costs, cluster)
     for j in range(plan.num_stages):
         m = stage_memory(costs, plan, cluster, j)
         assert m.total <= m.capacity, (j, str(m))
@@ -65,7 +70,7 @@ def random_instance(seed):
         name = f"T{t}"
         chips[name] = ChipType(name, "cuda", "v", {"bf16": rng.uniform(10e12, 100e12)},
                                int(per_block * rng.uniform(4, 16)), rng.uniform(0.5e12, 3e12),
-                               efficiency=rng.uniform(0.3, 0.6))
+                               efficiency=rng.uniform(0.3, 0.6), **NO_HEADROOM)
         n = rng.choice([1, 2, 2, 4])
         cpn = rng.choice([1, 2, 4])
         cpn = min(cpn, n) if n % min(cpn, n) == 0 else 1
@@ -74,16 +79,23 @@ def random_instance(seed):
     return costs, Cluster("rand", chips, tuple(groups), dtype="bf16"), rng.choice([4, 8, 16])
 
 
+# the space of the earlier HeteroAuto (one tp per type, every chip used, one block per type); the
+# wider space is checked against an independent brute force in tests/test_search_optimality.py
+NARROW = PlanSpace(idle=False, mixed_tp=False, split_types=False)
+
+
 def test_heteroauto_matches_exhaustive_on_random_small_instances():
+    """The DFS on the lower bound and the exhaustive evaluation of every split end at the same
+    simulated step (both rank their candidates by simulation)."""
     within = total = 0
     for seed in range(64):
         costs, cluster, gb = random_instance(seed)
         assert len(costs.layers) <= 24 and len(cluster.chip_types) <= 3
         try:
-            h = search(costs, cluster, gb)
+            h = search(costs, cluster, gb, space=NARROW)
         except H2Error:
             continue                                  # nothing fits: both searches agree below
-        x = search(costs, cluster, gb, method="exhaustive")
+        x = search(costs, cluster, gb, method="exhaustive", space=NARROW)
         total += 1
         within += h.best.step_time_s <= 1.01 * x.best.step_time_s
         assert h.uniform is None or h.best.step_time_s <= h.uniform.step_time_s
@@ -156,10 +168,13 @@ def test_hetero_speedup_ratio_is_throughput_over_sum_of_homogeneous():
     assert sp.ratio == pytest.approx(r.best.tokens_per_s / homo)
     assert {h["global_batch"] for h in sp.homo.values()} == {8}          # proportional to chips
     assert {h["global_batch"] for h in sp.homo_const.values()} == {16}
-    # two identical chip types: the mixed cluster is just a bigger homogeneous one
+    # two identical chip types: the mixed cluster is a bigger homogeneous one, except that the
+    # two node groups talk over NICs (each homogeneous run keeps its links inside its nodes)
     same = two_type_cluster(same=True)
     sp2 = hetero_speedup(costs, same, search(costs, same, 16).best)
-    assert 0.9 < sp2.ratio < 1.1
+    assert 0.75 < sp2.ratio < 1.1
+    assert share_batch(1024, 256, 768) == 336        # not round(341.3) = 341 = 11 x 31
+    assert share_batch(1024, 256, 1024) == 256 and share_batch(16, 8, 16) == 8
 
 
 def test_gpipe_and_moe_plans_are_costed():
@@ -268,3 +283,57 @@ def test_cli_errors_exit_2(plan_inputs, tmp_path, capsys):
     bad.write_text("{}")
     assert main([str(bad), "--cluster", ct]) == 2
     assert "layer-cost JSON" in capsys.readouterr().err
+
+
+# -- the plan space's switches, the time limit --------------------------------------------------
+
+def _runs(plan):
+    """The line of stages as runs of one chip type: [(chip, (tp, ...)), ...]."""
+    return [(c, tuple(s.tp for s in g)) for c, g in itertools.groupby(plan.stages, key=lambda s: s.chip)]
+
+
+def test_plan_space_dimensions_switch_off():
+    costs, cluster, gb = random_instance(5)          # three types, 4 + 1 + 1 chips
+    for space in (NARROW, PlanSpace(idle=False), PlanSpace(mixed_tp=False), PlanSpace(split_types=False)):
+        r = search(costs, cluster, gb, space=space)
+        check_plan_is_sound(r.plan, costs, cluster)
+        runs = _runs(r.plan)
+        if not space.idle:
+            used = {}
+            for s in r.plan.stages:
+                used[s.chip] = used.get(s.chip, 0) + s.chips
+            assert used == chip_counts(cluster)
+        if not space.mixed_tp:
+            assert all(len({s.tp for s in r.plan.stages if s.chip == c}) == 1 for c, _ in runs)
+        if not space.split_types:
+            assert len({c for c, _ in runs}) == len(runs)     # each type one contiguous block
+    wide = search(costs, cluster, gb)
+    assert wide.best.step_time_s <= search(costs, cluster, gb, space=NARROW).best.step_time_s + 1e-12
+    assert len({c for c, _ in _runs(wide.plan)}) < len(_runs(wide.plan))   # an A-B-A order wins here
+
+
+def test_time_limit_returns_the_best_plan_so_far():
+    costs = costs_100b()
+    from h2ir.clusters.clusterfile import load_cluster
+    r = search(costs, load_cluster("h2-1024"), 1024, time_limit=1e-3)
+    assert r.timed_out and not r.exact
+    check_plan_is_sound(r.plan, costs, load_cluster("h2-1024"))
+    assert r.best.sim is not None and r.best.sim.fits
+
+
+def test_searching_both_schedules():
+    costs, cl, gb = random_instance(1)
+    both = search(costs, cl, gb, schedule="auto", micro_batch=1)
+    one = min(search(costs, cl, gb, schedule=s, micro_batch=1).best.step_time_s
+              for s in ("1f1b", "gpipe"))
+    assert both.best.step_time_s <= one * (1 + 1e-9)
+
+
+def test_cli_time_limit_says_the_plan_is_the_best_so_far(plan_inputs, capsys):
+    from frontend.plancli import main
+    cj, ct = plan_inputs
+    assert main([cj, "--cluster", ct, "--global-batch", "16", "--time-limit", "0.000001",
+                 "--no-speedup"]) == 0
+    text = capsys.readouterr().out
+    assert "TIME LIMIT reached: the best plan so far" in text and "not the search's optimum" in text
+    assert main([cj, "--cluster", ct, "--time-limit", "0", "--no-speedup"]) == 2

@@ -1,26 +1,30 @@
 """HeteroAuto: search a heterogeneous pipeline plan (H2, arXiv 2505.17548, HeteroPP/HeteroAuto).
 
-Search space, outermost first:
-  micro-batch size   -> m = global_batch / (dp * micro_batch) micro-batches per replica
-  dp                 one data-parallel degree for the whole pipeline; it divides every chip
-                     type's count, so every replica has the same chips
-  tp per chip type   a divisor of the head count, at most chips-per-node (TP never leaves a node)
-  sub-groups         a chip type's n/dp chips per replica become n/(dp*tp) stages: a large
-                     homogeneous group is split into several stages
-  stage order        permutations of the chip types. H2 puts larger-memory chips first (they hold
-                     the most in-flight micro-batches under 1F1B); we try every order instead of
-                     assuming it, the memory-descending one first so it seeds the bound
-  layer split        contiguous layer ranges per stage: branch-and-bound DFS over the stages
-                     (bound: the best step time found so far; memory feasibility prunes ranges),
-                     with O(1) range costs from prefix sums (h2ir/planner/resource.py)
+What it ranks by. Every layer split is scored by `step_lower_bound`, a lower bound of the
+simulator's step time built from the same resource model terms the simulator charges (compute,
+the p2p link queue of every worker in both directions, DP all-reduce, TP collectives inside the
+stage times, optimizer step, memory feasibility). The search is a best-first queue over lower
+bounds: configurations, then lines of stages, then layer splits, and candidates are simulated
+(h2ir/planner/simulate.py) in bound order; it stops when the next bound is no better than the
+best simulated step (then the choice is the simulator's optimum over what was generated), or
+when the simulation budget or `time_limit` is spent (`SearchResult.exact` says which).
 
-The inner DFS ranks partitions with a closed-form 1F1B estimate (`estimate`); the final ranking
-simulates the best candidates' instruction streams (h2ir/planner/simulate.py). The uniform plan (even
-layer split, Megatron-style one TP degree) is the baseline and always takes part in the final
-ranking, so the chosen plan is never predicted slower than it.
+The plan space (`PlanSpace`, each dimension switchable):
+  micro-batch size   1, 2, 4, 8 dividing the global batch (or the one asked for)
+  dp                 one data-parallel degree for the whole pipeline (the executor replicates the
+                     whole pipeline: a per-stage dp is not expressible in its streams)
+  stages of a type   a type's dp-way replicated chips become stages of tp chips each; every stage
+                     has its own tp (`mixed_tp`: a type's first stages at a higher tp, the rest at
+                     a lower one); chips or a whole type may stay idle (`idle`)
+  stage order        any order of the types' blocks; one type may form two blocks (`split_types`:
+                     A-B-A orders)
+  recompute          per stage: none if it fits, else full
+  schedule           1f1b and/or gpipe (`schedules`), each with its own memory (in-flight count)
+  layer split        contiguous ranges: branch-and-bound DFS on the lower bound
 
-`method="exhaustive"` enumerates every contiguous split of every configuration (vectorised) for
-small instances; the tests compare the two.
+Small spaces (at most `EXACT_WORK` / layers lines per configuration) are enumerated line by line; larger
+ones are explored by coordinate descent over each type's stage sequence, block moves in the order
+and A-B-A splits (`_LocalLines`), so type orders are never enumerated as k!.
 """
 from __future__ import annotations
 
@@ -38,29 +42,50 @@ from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import MAX_MICROBATCHES, H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
-from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time, dtype_bytes,
-                       inflight_microbatches, nic_share, p2p_link, replica_geometry)
+from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
+                                   attention_score_bytes, device_capacity, dtype_bytes,
+                                   inflight_microbatches, nic_share, p2p_link,
+                                   replica_geometry, stage_memory)
 from h2ir.planner.simulate import SimResult, simulate
 
 BLOCK_KINDS = ("transformer_block", "moe_block")
 MICRO_BATCHES = (1, 2, 4, 8)
 # safety margin on memory capacity: the search's float sums vs the validator's integer items
 _CAP_MARGIN = 1.0 - 1e-9
-# the DFS does not chase improvements smaller than this fraction of the estimate
+# the DFS does not chase improvements smaller than this fraction of the bound
 REL_TOL = 1e-4
+# a configuration with at most EXACT_WORK / layers lines of stages is enumerated line by line
+EXACT_WORK = 40_000
+# outside exact mode, a configuration whose starting line is this much behind the best line
+# found is not explored
+PROBE_SLACK = 0.15
+
+
+@dataclass(frozen=True)
+class PlanSpace:
+    """Which dimensions of the plan space the search explores (all on by default)."""
+    idle: bool = True            # leave chips, or a whole chip type, unused when that is faster
+    mixed_tp: bool = True        # stages of one chip type with different tp degrees
+    split_types: bool = True     # a chip type in two contiguous blocks of stages (A-B-A)
+    schedules: tuple | None = None   # schedules to search; None: the one passed to `search`
 
 
 @dataclass(frozen=True)
 class Config:
-    """Everything about a plan except the layer split."""
+    """Everything about a plan except the layer split. `stages` is the line of (chip, tp)
+    stages; without it, each type in `order` contributes counts/(dp*tp) stages of its tp."""
     dp: int
     micro_batch: int
     m: int
-    tp: tuple              # ((chip, tp), ...) in chip-name order
-    order: tuple           # chip types in stage order
+    tp: tuple              # ((chip, tp), ...) in chip-name order (the type's first tp)
+    order: tuple           # chip types in stage order (first appearance)
     counts: tuple          # ((chip, chips), ...)
+    stages: tuple = ()
+    schedule: str = "1f1b"
 
     def shapes(self) -> list[tuple[str, int]]:
+        if self.stages:
+            return list(self.stages)
         tp, n = dict(self.tp), dict(self.counts)
         out = []
         for c in self.order:
@@ -68,19 +93,27 @@ class Config:
         return out
 
     def describe(self) -> str:
-        tp = dict(self.tp)
-        parts = [f"{c}(tp{tp[c]})x{dict(self.counts)[c] // (self.dp * tp[c])}" for c in self.order]
+        parts = [f"{c}(tp{t})x{len(list(g))}" for (c, t), g in itertools.groupby(self.shapes())]
         return f"dp={self.dp} mb={self.micro_batch} m={self.m} " + " > ".join(parts)
+
+
+def _config_of(dp: int, mb: int, m: int, shapes, counts_t: tuple, schedule: str) -> Config:
+    first = {}
+    for c, t in shapes:
+        first.setdefault(c, t)
+    order = tuple(dict.fromkeys(c for c, _ in shapes))
+    return Config(dp, mb, m, tuple(sorted(first.items())), order, counts_t, tuple(shapes), schedule)
 
 
 @dataclass
 class Candidate:
     plan: Plan
-    estimate_s: float
+    estimate_s: float              # lower bound of the simulated step (`step_lower_bound`)
     kind: str                      # 'auto' | 'uniform' | 'exhaustive'
     config: Config | None = None
     bounds: tuple = ()
     sim: SimResult | None = None
+    sim_s: float = 0.0             # how long its simulation took
 
     @property
     def step_time_s(self) -> float:
@@ -101,6 +134,10 @@ class SearchResult:
     configs_total: int = 0
     configs_searched: int = 0
     dfs_nodes: int = 0
+    simulations: int = 0
+    exact: bool = True             # stopped because no bound left could beat the best simulated
+    timed_out: bool = False        # stopped by `time_limit`: the best plan found so far
+    lines: int = 0
 
     @property
     def plan(self) -> Plan:
@@ -114,13 +151,15 @@ class SearchResult:
 # ----------------------------------------------------------------------------------------------
 # one stage kind: O(1) range costs
 
-class StageKind:
-    """Costing of one stage for a (chip, tp, ep, a2a, in-flight micro-batches) combination:
-    prefix sums for time, and for every start layer a the furthest end b up to which the stage
-    still fits in memory without recomputation (`fit_none`) and with it if needed (`fit_any`).
-    Memory numbers are h2ir/planner/resource.py's (`memory_items`), evaluated for all (a, b) at once."""
+class _KindTable:
+    """What one (chip, tp, ep, a2a) stage costs for every layer range [a, b), independent of
+    the in-flight count: prefix sums for time, and the largest in-flight count at which
+    [a, b') still fits for every b' <= b, without recomputation (`inone`) and with either
+    (`iany`). Memory numbers are h2ir/planner/resource.py's (`memory_items`, the attention
+    scores of `attention_score_bytes`, `device_capacity`), evaluated for all (a, b) at once:
+    bytes = base + inflight * per_mb, so a range fits iff inflight <= (cap - base) / per_mb."""
 
-    def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, inflight: int):
+    def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str):
         lt = rm.layer_times(chip, tp, ep, a2a)
         self.chip, self.tp = chip, tp
         self.F, self.B, self.Brc = lt.fwd, lt.bwd, lt.bwd_rc
@@ -136,13 +175,44 @@ class StageKind:
         b = np.arange(1, L + 1)[None, :]
         out = dev.out
         base = (Pp[b] - Pp[a]) * rm.la.state.total + np.where(a > 0, out[np.maximum(a - 1, 0)], 0.0) + out[b - 1]
-        cap = rm.cluster.chip(chip).mem_bytes * _CAP_MARGIN
-        none = base + inflight * (Pact[b] - Pact[a]) <= cap
-        rc = base + inflight * (Pout[b] - Pout[a]) + dev.act_range_max[a, b - 1] <= cap
+        ct = rm.cluster.chip(chip)
+        cap = device_capacity(ct) * _CAP_MARGIN
+        # attention scores of chips without a fused kernel (resource.attention_score_bytes):
+        # every in-flight micro-batch keeps them, or, with recomputation, the re-run block only
+        sc = _score_bytes(rm, ct, tp)
+        Psc = np.concatenate([[0.0], np.cumsum(sc)])
+        sc_rc = np.where(Psc[b] - Psc[a] > 0, sc.max() if L else 0.0, 0.0)
         before = b <= a
-        self.fit_none = np.logical_and.accumulate(none | before, axis=1).sum(axis=1).tolist()
-        self.fit_any = np.logical_and.accumulate(none | rc | before, axis=1).sum(axis=1).tolist()
-        self.fit_any = [max(x, y) for x, y in zip(self.fit_any, self.fit_none)]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inone = _max_inflight(cap - base, Pact[b] - Pact[a] + Psc[b] - Psc[a])
+            irc = _max_inflight(cap - base - dev.act_range_max[a, b - 1] - sc_rc, Pout[b] - Pout[a])
+        inone[before] = np.inf
+        irc[before] = np.inf
+        self.inone = np.minimum.accumulate(inone, axis=1)
+        self.iany = np.minimum.accumulate(np.maximum(inone, irc), axis=1)
+
+
+def _max_inflight(room: np.ndarray, per_mb: np.ndarray) -> np.ndarray:
+    """Largest in-flight count with room - inflight * per_mb >= 0 (inf when per_mb is 0 and
+    there is room, -inf when there is none)."""
+    return np.where(per_mb > 0, room / np.where(per_mb > 0, per_mb, 1.0),
+                    np.where(room >= 0, np.inf, -np.inf))
+
+
+class StageKind:
+    """Costing of one stage for a (chip, tp, ep, a2a, in-flight micro-batches) combination:
+    the `_KindTable`'s prefix sums for time, and for every start layer a the furthest end b up
+    to which the stage still fits in memory without recomputation (`fit_none`) and with it if
+    needed (`fit_any`)."""
+
+    def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, inflight: int,
+                 table: _KindTable | None = None):
+        t = table or _KindTable(rm, chip, tp, ep, a2a)
+        self.chip, self.tp = chip, tp
+        self.F, self.B, self.Brc, self.FB, self.FBrc = t.F, t.B, t.Brc, t.FB, t.FBrc
+        self.tau, self.Pp, self.out = t.tau, t.Pp, t.out
+        self.fit_none = (t.inone >= inflight).sum(axis=1).tolist()
+        self.fit_any = (t.iany >= inflight).sum(axis=1).tolist()
 
     def stage(self, a: int, b: int):
         """(fwd, bwd, recompute) for layers [a, b), or None if they do not fit."""
@@ -170,6 +240,21 @@ class StageKind:
         return max(b, a)
 
 
+_SCORES: dict = {}
+
+
+def _score_bytes(rm: ResourceModel, chip, tp: int) -> np.ndarray:
+    """Per layer, the attention-score bytes one micro-batch keeps on `chip` at `tp`
+    (resource.attention_score_bytes), memoised per layer arrays."""
+    key = (id(rm.la), chip.name, chip.fused_attention, tp)
+    if key not in _SCORES or len(_SCORES[key]) != rm.L:
+        if len(_SCORES) > 4096:
+            _SCORES.clear()
+        _SCORES[key] = np.array([attention_score_bytes(rm.la, chip, tp, i, i + 1)
+                                 for i in range(rm.L)])
+    return _SCORES[key]
+
+
 @lru_cache(maxsize=16)
 def _all_bounds(L: int, S: int) -> np.ndarray:
     """Every split of L layers into S non-empty contiguous ranges, as rows of S+1 bounds."""
@@ -183,29 +268,106 @@ def _all_bounds(L: int, S: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # one configuration's line of stages and the step-time estimate
 
+
+# ----------------------------------------------------------------------------------------------
+# the lower bound of the simulated step
+
+def step_lower_bound(fs, bs, cs, tails, m: int, dp: int, gpipe: bool, mx=max):
+    """A lower bound of the simulator's step time (h2ir/planner/simulate.py) for a line of S
+    stages with per-micro-batch forward fs[j] and backward bs[j], boundary p2p time cs[j]
+    (stage j to j+1, the same both ways: the simulator times both directions over
+    `LinePlacement.boundary(j)`) and tails[j] (gradient
+    all-reduce + optimizer step). Entries may be floats or numpy columns (then `mx` is
+    np.maximum). Every term is a chain of waits the simulator must respect:
+
+    compute lane of j:  pre_j + m (f_j + b_j) + T_j, where pre_j = sum_{k<j} (f_k + c_k) is the
+        earliest first forward (micro-batch 0 must cross stages 0..j-1), and
+        T_j = max(tail_j, c_{j-1} + b_{j-1} + T_{j-1}) what must follow j's last backward
+        (its own tail, and the last gradient's way back to stage 0 and its tail);
+    link of j:          one queue carries j's m activations and m gradients (both directions
+        of a worker's sends serialise, as in the simulator); it cannot start before j's
+        first forward ends, its last send is the last gradient, which stage j-1 must then
+        take through its backward and T_{j-1};
+    GPipe, in addition: no backward before the stage's last forward (phases), the last
+        forward needs the last activation, the first backward the first gradient.
+
+    Ties (embedding = head) only add sends, so leaving them out keeps it a lower bound."""
+    S = len(fs)
+    pre, back, lb = 0.0, 0.0, 0.0
+    for j in range(S):
+        T = mx(tails[j], back)
+        lb = mx(lb, pre + m * (fs[j] + bs[j]) + T)
+        cin = cs[j - 1] if j > 0 else 0.0
+        cout = cs[j] if j < S - 1 else 0.0
+        after = mx(back - cin, tails[j]) if dp > 1 else back - cin
+        if j == 0:
+            if S > 1:
+                lb = mx(lb, fs[0] + (m + 1) * cout + bs[0] + T)
+        elif j < S - 1:
+            lb = mx(lb, pre + fs[j] + m * (cin + cout) + after)
+        else:
+            lb = mx(lb, pre + fs[j] + bs[j] + m * cin + after)
+        pre = pre + fs[j] + cout
+        back = cout + bs[j] + T
+    if gpipe and S > 1:
+        fe = [m * fs[0]]
+        pre_j = fs[0] + cs[0]
+        for j in range(1, S):
+            fe.append(mx(mx(fe[j - 1] + cs[j - 1] + fs[j], pre_j + m * fs[j]),
+                         pre_j - cs[j - 1] + m * cs[j - 1] + fs[j]))
+            if j < S - 1:
+                pre_j = pre_j + fs[j] + cs[j]
+        bs_ = fe[S - 1]
+        be = fe[S - 1] + m * bs[S - 1]
+        lb = mx(lb, be + tails[S - 1])
+        for j in range(S - 2, -1, -1):
+            first_grad = bs_ + bs[j + 1] + cs[j]
+            be = mx(mx(mx(fe[j], first_grad) + m * bs[j], be + cs[j] + bs[j]),
+                    bs_ + bs[j + 1] + m * cs[j] + bs[j])
+            bs_ = mx(fe[j], first_grad)
+            lb = mx(lb, be + tails[j])
+    return lb
+
+
+# ----------------------------------------------------------------------------------------------
+# one line of stages: the lower bound of every layer split
+
 class StageLine:
-    """The ordered stages of one configuration, with everything needed to cost a layer split."""
+    """The ordered stages of one configuration, with everything needed to bound a layer split."""
 
     def __init__(self, rm: ResourceModel, config: Config, schedule: str, ep: int, a2a: str,
-                 kinds: dict | None = None):
+                 kinds: dict | None = None, placed: bool = True):
+        """`placed`: links and all-reduces where the build puts the workers
+        (`ResourceModel.placement`: the build's hosts and shared NICs, what the simulator
+        charges); without it, the cheaper placement-free formulas (`p2p_link`,
+        `replica_geometry`), which rank lines while they are being formed but bound nothing."""
         self.rm, self.config, self.schedule = rm, config, schedule
         self.ep, self.a2a = ep, a2a
         self.shapes = config.shapes()
         S, L = len(self.shapes), rm.L
         self.S, self.L, self.m, self.dp = S, L, config.m, config.dp
+        self.gpipe = schedule == "gpipe"
         kinds = kinds if kinds is not None else {}
         self.kinds = []
         for j, (chip, tp) in enumerate(self.shapes):
             infl = inflight_microbatches(schedule, j, S, self.m)
             key = (id(rm), chip, tp, ep, a2a, infl)
             if key not in kinds:
-                kinds[key] = StageKind(rm, chip, tp, ep, a2a, infl)
+                tkey = ("table", id(rm), chip, tp, ep, a2a)
+                if tkey not in kinds:
+                    kinds[tkey] = _KindTable(rm, chip, tp, ep, a2a)
+                kinds[key] = StageKind(rm, chip, tp, ep, a2a, infl, kinds[tkey])
             self.kinds.append(kinds[key])
         self.optc = [rm.opt_step_coef(chip) for chip, _ in self.shapes]
         self.grad_bytes = rm.la.grad_bytes
-        # p2p path of each boundary j -> j+1: latency and bandwidth (Hockney)
-        self.link = [p2p_link(rm.cluster, *self.shapes[j], *self.shapes[j + 1], self.dp)
-                     for j in range(S - 1)]
+        # the simulator's p2p: the whole boundary tensor over LinePlacement.boundary's path
+        self.bout = rm.la.out.tolist()
+        self.place = rm.placement(self.shapes, self.dp) if placed else None
+        if placed:
+            self.link = [self.place.boundary(j) for j in range(S - 1)]
+        else:
+            self.link = [p2p_link(rm.cluster, *self.shapes[j], *self.shapes[j + 1], self.dp)
+                         for j in range(S - 1)]
         self._lb = None
         self._tail_cache: dict = {}
 
@@ -213,53 +375,42 @@ class StageLine:
         return self.kinds[j].stage(a, b)
 
     def comm(self, j: int, b: int) -> float:
-        """p2p time of one micro-batch's boundary tensor from stage j (ending before b) to j+1."""
+        """p2p time of one micro-batch's boundary tensor between stage j (ending before b) and
+        j+1, as the simulator times it (`ResourceModel.stage_times`)."""
         lat, bw = self.link[j]
-        return lat + self.kinds[j].out[b - 1] / bw
+        nbytes = self.bout[b - 1]
+        return lat + nbytes / bw if nbytes > 0 else 0.0
 
-    def tail(self, bounds, bwds, comms) -> float:
-        """Time after stage 0's last backward: stage j's last backward ends sum_{k<j}(b_k + c_k)
-        earlier, then it sends its last gradient, all-reduces and steps the optimizer."""
-        worst, slack = 0.0, 0.0
-        for j in range(self.S):
-            a, b = bounds[j], bounds[j + 1]
+    def tail_of(self, j: int, a: int, b: int) -> float:
+        """Stage j's gradient all-reduce + optimizer step for layers [a, b)."""
+        key = (j, a, b)
+        t = self._tail_cache.get(key)
+        if t is None:
             chip, tp = self.shapes[j]
-            key = (j, a, b)
-            t = self._tail_cache.get(key)
-            if t is None:
-                p = self.kinds[j].Pp[b] - self.kinds[j].Pp[a]
-                t = self.rm.grad_allreduce_time(chip, tp, self.dp, p * self.grad_bytes) + p * self.optc[j]
-                self._tail_cache[key] = t
-            if j > 0:
-                t += comms[j - 1] - slack
-            worst = max(worst, t)
-            if j < self.S - 1:
-                slack += bwds[j] + comms[j]
-        return worst
+            p = self.kinds[j].Pp[b] - self.kinds[j].Pp[a]
+            t = self.rm.grad_allreduce_time(chip, tp, self.dp, p * self.grad_bytes, self.place, j) \
+                + p * self.optc[j]
+            self._tail_cache[key] = t
+        return t
 
     def estimate(self, bounds) -> tuple[float, list] | None:
-        """Closed-form step time of a layer split (bounds: S+1 layer indices), or None.
-
-        1F1B (Narayanan et al. SC'21 Sec. 2.2, generalised to unequal stages): one micro-batch
-        crosses the pipeline forward and back (sum of stage times and 2x each boundary's p2p
-        time), the other m-1 are paced by the slowest stage; then the tail (`tail`).
-        GPipe: forwards and backwards are paced separately: (m-1)(max f + max b)."""
-        fs, bs, rcs, comms = [], [], [], []
+        """(lower bound of the simulated step, recompute per stage) of a layer split (S+1 layer
+        indices), or None if a stage does not fit in memory (`step_lower_bound`)."""
+        fs, bs, rcs, cs, tails = [], [], [], [], []
         for j in range(self.S):
-            r = self.kinds[j].stage(bounds[j], bounds[j + 1])
+            a, b = bounds[j], bounds[j + 1]
+            r = self.kinds[j].stage(a, b)
             if r is None:
                 return None
             fs.append(r[0]); bs.append(r[1]); rcs.append(r[2])
+            tails.append(self.tail_of(j, a, b))
             if j < self.S - 1:
-                comms.append(self.comm(j, bounds[j + 1]))
-        total = sum(fs) + sum(bs) + 2 * sum(comms)
-        if self.schedule == "gpipe":
-            paced = max(fs) + max(bs)
-        else:
-            paced = max(f + b for f, b in zip(fs, bs))
-        return total + (self.m - 1) * paced + self.tail(bounds, bs, comms), rcs
+                cs.append(self.comm(j, b))
+        return step_lower_bound(fs, bs, cs, tails, self.m, self.dp, self.gpipe), rcs
 
-    # -- bounds ---------------------------------------------------------------------------------
+    lower_bound = estimate
+
+    # -- bounds over all splits ------------------------------------------------------------------
     @property
     def lb_sum(self):
         """lb_sum[j][a]: every layer >= a on its fastest stage among j.. (one micro-batch's pass)."""
@@ -295,6 +446,8 @@ class StageLine:
     def min_bottleneck(self) -> tuple[float, list] | None:
         """(T_lo, split): no split has every stage time below T_lo, and `split` (found by
         bisection on T with `pack`) is within 1e-4 of it."""
+        if self.S > self.L:
+            return None
         hi = max(k.FBrc[self.L] for k in self.kinds)
         if self.pack(hi) is None:
             return None
@@ -306,6 +459,16 @@ class StageLine:
             else:
                 hi = mid
         return lo, self.pack(hi)
+
+    def bound(self):
+        """(lower bound over every split of this line, a good split) or None if none fits:
+        some stage runs at least T_lo per micro-batch, m times (`min_bottleneck`), and one
+        micro-batch crosses every layer on its fastest stage."""
+        r = self.min_bottleneck()
+        if r is None:
+            return None
+        T_lo, split = r
+        return max(self.m * T_lo, self.lb_sum[0][0]), split
 
     def _earliest_starts(self, T: float) -> list[int]:
         """start[j]: smallest a such that stages j.. can hold layers [a, L) with every stage
@@ -332,106 +495,68 @@ class StageLine:
     # -- branch and bound ----------------------------------------------------------------------
     def best_split(self, bound: float = math.inf, node_budget: int = 30_000, incumbent=None,
                    k: int = 1):
-        """Branch-and-bound DFS over stage ends, stage 0 first. Returns (splits, nodes): the
-        best `k` splits with estimate < bound as (estimate, bounds), best first.
+        """Branch-and-bound DFS over stage ends, stage 0 first, minimising `estimate` (the lower
+        bound of the simulated step). Returns (splits, nodes): the best `k` splits with bound <
+        `bound` as (bound, ends), best first.
 
-        Pruning: (1) a partial split's estimate is at least what it has spent plus every
-        remaining layer on its fastest remaining stage plus (m-1) x its slowest stage so far;
-        (2) so any stage's time is capped at (bound - spent - remaining)/(m-1), which with memory
-        caps how far the stage may reach (one bisection); (3) the remaining stages must still be
-        able to hold the remaining layers under that cap; (4) with k = 1, a (stage, start)
-        reached again with no less spent and no faster slowest stage is dominated (this ignores
-        the small optimizer/all-reduce tail, so it is used only on long lines)."""
+        A partial split's terms of `step_lower_bound` are final once its stages are chosen, so
+        the running maximum only grows; a completion adds at least the rest of one micro-batch's
+        pass; every later stage must run under (limit - pre - back) / m, which with memory caps
+        how far a stage may reach (one bisection) and how early the next must start (backward
+        packing). With k = 1, a (stage, start) reached again with no smaller (pre, back,
+        running maximum) is dominated: the rest of the bound depends on nothing else."""
         bb = _LayerSplitSearch(self, bound, node_budget, k)
+        if self.S > self.L:
+            return [], 0
         inc = incumbent if incumbent is not None else (self.min_bottleneck() or (None, None))[1]
         if inc is not None:
             e = self.estimate(inc)
             if e is not None:
                 bb.offer(e[0], tuple(inc))
-        if self.m == 1:
-            self._small_m(bb.offer)
-            return bb.below_bound(), 1
         if not bb.best and bound == math.inf:
             return [], 0                       # nothing fits: the bottleneck packing failed
-        cap0 = (bb.limit() - bb.lb_sum[0][0]) / (self.m - 1)
-        bb.starts = self._earliest_starts(cap0 * (1 + 1e-9))
-        bb.dfs(0, 0, 0.0, (0.0, 0.0) if bb.gpipe else (0.0,))
+        bb.starts = self._earliest_starts(bb.limit() / self.m * (1 + 1e-9))
+        bb.dfs(0, 0, 0.0, 0.0, 0.0)
         return bb.below_bound(), bb.nodes
 
-    def _small_m(self, offer):
-        """m = 1: no pacing term, the estimate is a sum; a plain DP over (stage, start) is exact
-        (up to the tail) and cheap."""
-        S, L = self.S, self.L
-        INF = math.inf
-        g = [[INF] * (L + 1) for _ in range(S + 1)]
-        nxt = [[None] * (L + 1) for _ in range(S + 1)]
-        g[S][L] = 0.0
-        for j in range(S - 1, -1, -1):
-            for a in range(L):
-                for b in range(a + 1, L - (S - 1 - j) + 1):
-                    if g[j + 1][b] == INF:
-                        continue
-                    r = self.kinds[j].stage(a, b)
-                    if r is None:
-                        break
-                    v = r[0] + r[1] + (2 * self.comm(j, b) if j < S - 1 else 0.0) + g[j + 1][b]
-                    if v < g[j][a]:
-                        g[j][a], nxt[j][a] = v, b
-        if g[0][0] < INF:
-            ends, a = [0], 0
-            for j in range(S):
-                a = nxt[j][a]
-                ends.append(a)
-            e = self.estimate(ends)
-            if e is not None:
-                offer(e[0], tuple(ends))
-
     # -- exhaustive, vectorised ---------------------------------------------------------------
-    def _allreduce_table(self, j: int) -> np.ndarray:
-        """[a, b] -> gradient all-reduce + optimizer seconds of stage j holding layers [a, b)."""
-        chip, tp = self.shapes[j]
-        Pp = self.kinds[j].Pp
+    def _tail_table(self, j: int) -> np.ndarray:
         L = self.L
-        P = np.asarray(Pp)
-        t = np.maximum(P[None, :] - P[:, None], 0.0) * self.optc[j]
-        if self.dp <= 1:
-            return t
+        t = np.zeros((L + 1, L + 1))
         for a in range(L):
             for b in range(a + 1, L + 1):
-                t[a, b] += self.rm.grad_allreduce_time(chip, tp, self.dp, (Pp[b] - Pp[a]) * self.grad_bytes)
+                t[a, b] = self.tail_of(j, a, b)
         return t
 
     def all_splits(self, keep: int):
-        """Estimate every contiguous split at once (numpy over all C(L-1, S-1) of them, the same
-        formula as `estimate`); the best `keep` as (estimate, bounds)."""
+        """The bound of every contiguous split at once (numpy over all C(L-1, S-1) of them, the
+        same `step_lower_bound`); the best `keep` as (bound, ends)."""
         S, L = self.S, self.L
+        if S > L:
+            return []
         n = math.comb(L - 1, S - 1)
         if n > EXHAUSTIVE_LINE_LIMIT:
             raise H2Error(f"exhaustive search of {n:,} layer splits for {self.config.describe()} "
                           f"is too large", hint="use --search heuristic")
         Bd = _all_bounds(L, S)
         N = len(Bd)
-        fs = np.zeros((N, S)); bs = np.zeros((N, S)); ok = np.ones(N, bool)
-        comms = np.zeros((N, S))
-        tails = np.zeros((N, S))
+        ok = np.ones(N, bool)
+        fs, bs, cs, tails = [], [], [], []
+        bout = np.asarray(self.bout)
         for j, k in enumerate(self.kinds):
             a, b = Bd[:, j], Bd[:, j + 1]
             none = b <= np.asarray(k.fit_none)[a]
             ok &= b <= np.asarray(k.fit_any)[a]
             F, Bn, Br = np.asarray(k.F), np.asarray(k.B), np.asarray(k.Brc)
-            fs[:, j] = F[b] - F[a]
-            bs[:, j] = np.where(none, Bn[b] - Bn[a], Br[b] - Br[a])
+            fs.append(F[b] - F[a])
+            bs.append(np.where(none, Bn[b] - Bn[a], Br[b] - Br[a]))
             if j < S - 1:
                 lat, bw = self.link[j]
-                comms[:, j] = lat + np.asarray(k.out)[b - 1] / bw
-            tails[:, j] = self._allreduce_table(j)[a, b]
-        total = fs.sum(1) + bs.sum(1) + 2 * comms.sum(1)
-        paced = (fs.max(1) + bs.max(1)) if self.schedule == "gpipe" else (fs + bs).max(1)
-        # tail (see `tail`): stage j ends its last backward sum_{k<j}(b_k + c_k) before stage 0
-        slack = np.concatenate([np.zeros((N, 1)), np.cumsum(bs + comms, axis=1)[:, :-1]], axis=1)
-        prev_comm = np.concatenate([np.zeros((N, 1)), comms[:, :-1]], axis=1)
-        tail = np.maximum((tails + prev_comm - slack).max(1), 0.0)
-        est = np.where(ok, total + (self.m - 1) * paced + tail, np.inf)
+                nb = bout[b - 1]
+                cs.append(np.where(nb > 0, lat + nb / bw, 0.0))
+            tails.append(self._tail_table(j)[a, b])
+        est = step_lower_bound(fs, bs, cs, tails, self.m, self.dp, self.gpipe, mx=np.maximum)
+        est = np.where(ok, est, np.inf)
         order = np.argsort(est, kind="stable")[:keep]
         return [(float(est[i]), tuple(Bd[i].tolist())) for i in order if est[i] < np.inf]
 
@@ -452,24 +577,20 @@ class StageLine:
 
 class _LayerSplitSearch:
     """The state of one `StageLine.best_split`: the best k layer splits so far (sorted, as
-    (estimate, bounds)), the nodes visited, the dominance memo and the stage ends of the
-    current DFS path."""
+    (bound, ends)), the nodes visited, the dominance memo and the stage ends of the DFS path."""
 
     def __init__(self, line: StageLine, bound: float, node_budget: int, k: int):
         self.line, self.bound, self.node_budget, self.k = line, bound, node_budget, k
-        self.gpipe = line.schedule == "gpipe"
-        self.memo = k == 1 and line.S > 8
+        self.memo = k == 1
         self.lb_sum = line.lb_sum
-        self.best: list = []               # sorted (estimate, bounds), at most k
+        self.best: list = []               # sorted (bound, ends), at most k
         self.nodes = 0
-        self.seen: dict = {}               # (stage, start) -> undominated (spent, slowest stage)
+        self.seen: dict = {}               # (stage, start) -> undominated (pre, back, running max)
         self.ends = [0] * (line.S + 1)
         self.ends[line.S] = line.L
         self.starts: list = []             # earliest start of each stage under the first cap
 
     def limit(self) -> float:
-        # splits within REL_TOL of the k-th best are not worth the nodes: equal stages
-        # give many splits that differ only in the optimizer tail
         best = self.best
         return (best[-1][0] if len(best) >= self.k else self.bound) * (1 - REL_TOL)
 
@@ -483,59 +604,69 @@ class _LayerSplitSearch:
     def below_bound(self) -> list:
         return [x for x in self.best if x[0] < self.bound]
 
-    def dominated(self, j, a, acc, mx) -> bool:
+    def dominated(self, j, a, state) -> bool:
         lst = self.seen.get((j, a))
         if lst is None:
-            self.seen[(j, a)] = [(acc, mx)]
+            self.seen[(j, a)] = [state]
             return False
-        for acc2, mx2 in lst:
-            if acc2 <= acc and all(x2 <= x for x2, x in zip(mx2, mx)):
+        for s2 in lst:
+            if s2[0] <= state[0] and s2[1] <= state[1] and s2[2] <= state[2]:
                 return True
-        lst[:] = [(acc2, mx2) for acc2, mx2 in lst
-                  if not (acc <= acc2 and all(x <= x2 for x, x2 in zip(mx, mx2)))]
-        lst.append((acc, mx))
+        lst[:] = [s2 for s2 in lst
+                  if not (state[0] <= s2[0] and state[1] <= s2[1] and state[2] <= s2[2])]
+        lst.append(state)
         return False
 
-    def dfs(self, j, a, acc, mx):
-        """Stage j starts at layer a, having spent acc; mx: its slowest stage so far ((fwd,
-        bwd) maxima under GPipe, fwd + bwd under 1F1B)."""
+    def dfs(self, j, a, pre, back, run):
+        """Stage j starts at layer a; pre: the first micro-batch's forward way to it, back:
+        what follows the last backward of stage j-1 (c + b + T of `step_lower_bound`), run:
+        the bound's terms of stages < j."""
         self.nodes += 1
         if self.nodes > self.node_budget:
             return
-        line, lb_sum, gpipe, ends = self.line, self.lb_sum, self.gpipe, self.ends
+        line, ends = self.line, self.ends
         S, L, m = line.S, line.L, line.m
         kd = line.kinds[j]
         lim = self.limit()
-        cap = (lim - acc - lb_sum[j][a]) / (m - 1)
-        if (mx[0] + mx[1] if gpipe else mx[0]) > cap:
+        if run >= lim:
             return
+        cap = (lim - pre - back) / m
+        ends[j] = a
         if j == S - 1:
             if kd.time(a, L) <= cap * (1 + 1e-12):
-                ends[j] = a
                 e = line.estimate(ends)
                 if e is not None:
                     self.offer(e[0], tuple(ends))
             return
-        ends[j] = a
         hi = min(kd.furthest(a, cap * (1 + 1e-12)), L - (S - 1 - j))
         lo = max(a + 1, self.starts[j + 1])
+        cin = line.comm(j - 1, a) if j > 0 else 0.0
+        dp1 = line.dp > 1
+        lb_next = self.lb_sum[j + 1]
         for b in range(hi, lo - 1, -1):
             r = kd.stage(a, b)
             if r is None:
                 continue
             f, bw, _ = r
-            acc2 = acc + f + bw + 2 * line.comm(j, b)
-            mx2 = (max(mx[0], f), max(mx[1], bw)) if gpipe else (max(mx[0], f + bw),)
-            paced = mx2[0] + mx2[1] if gpipe else mx2[0]
-            if acc2 + lb_sum[j + 1][b] + (m - 1) * paced >= self.limit():
+            c = line.comm(j, b)
+            tail = line.tail_of(j, a, b)
+            T = tail if tail > back else back
+            run2 = max(run, pre + m * (f + bw) + T)
+            if j == 0:
+                run2 = max(run2, f + (m + 1) * c + bw + T)
+            else:
+                after = max(back - cin, tail) if dp1 else back - cin
+                run2 = max(run2, pre + f + m * (cin + c) + after)
+            pre2 = pre + f + c
+            back2 = c + bw + T
+            if max(run2, pre2 + back2 + lb_next[b]) >= self.limit():
                 continue
-            if self.memo and self.dominated(j + 1, b, acc2, mx2):
+            if self.memo and self.dominated(j + 1, b, (pre2, back2, run2)):
                 continue
-            self.dfs(j + 1, b, acc2, mx2)
+            self.dfs(j + 1, b, pre2, back2, run2)
             ends[j] = a
 
 
-# ----------------------------------------------------------------------------------------------
 # configurations
 
 def divisors(n: int) -> list[int]:
@@ -564,20 +695,27 @@ def chip_counts(cluster: Cluster) -> dict[str, int]:
     return {c: cluster.count(c) for c in cluster.chip_types if cluster.count(c) > 0}
 
 
-def tp_options(cluster: Cluster, chip: str, per_replica: int, n_heads: int) -> list[int]:
-    """TP degrees for a chip type: divisors of the heads, at most chips-per-node (Megatron keeps
-    TP inside a node, Narayanan et al. SC'21 Sec. 3.3), dividing the chips per replica."""
-    g = cluster.group(chip)
-    return [t for t in divisors(per_replica)
-            if t <= g.chips_per_node and (n_heads <= 0 or n_heads % t == 0)]
+def tp_options(cluster: Cluster, chip: str, per_replica: int, n_heads: int,
+               divide: bool = True) -> list[int]:
+    """TP degrees for a chip type: divisors of the heads and of chips-per-node (Megatron keeps
+    TP inside a node, Narayanan et al. SC'21 Sec. 3.3), at most the chips per replica and, with
+    `divide`, dividing them."""
+    cpn = max(g.chips_per_node for g in cluster.groups if g.chip == chip)
+    return [t for t in divisors(cpn)
+            if t <= per_replica and (not divide or per_replica % t == 0)
+            and (n_heads <= 0 or n_heads % t == 0)]
+
+
+def memory_order(cluster: Cluster, chips: list[str]) -> tuple:
+    """The chip types larger-memory first (H2's rule); ties keep the cluster file's order."""
+    declared = list(cluster.chip_types)
+    key = lambda c: (-cluster.chip(c).mem_bytes, declared.index(c) if c in declared else len(declared), c)
+    return tuple(sorted(chips, key=key))
 
 
 def memory_orders(cluster: Cluster, chips: list[str]) -> list[tuple]:
     """Every order of the chip types, larger-memory first (H2's rule) leading."""
-    declared = list(cluster.chip_types)
-    # ties keep the cluster file's order (so a uniform plan is what the user wrote down)
-    key = lambda c: (-cluster.chip(c).mem_bytes, declared.index(c) if c in declared else len(declared), c)
-    first = tuple(sorted(chips, key=key))
+    first = memory_order(cluster, chips)
     rest = [p for p in itertools.permutations(sorted(chips)) if p != first]
     return [first] + rest
 
@@ -611,7 +749,7 @@ def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, t
 
 
 def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batches, schedule: str,
-             dp_options=None, max_tp: int | None = None):
+             dp_options=None, max_tp: int | None = None, uniform_only: bool = False):
     """All (dp, micro-batch, tp per type) choices with 1 <= stages <= layers; orders added later."""
     counts = chip_counts(cluster)
     if not counts:
@@ -635,7 +773,12 @@ def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batch
                 continue
             opts = [[t for t in tp_options(cluster, c, counts[c] // dp, costs.n_heads)
                      if max_tp is None or t <= max_tp] for c in chips]
-            for tps in itertools.product(*opts):
+            if uniform_only:
+                common = sorted(set.intersection(*map(set, opts))) if opts else []
+                products = [(t,) * len(chips) for t in common]
+            else:
+                products = itertools.product(*opts)
+            for tps in products:
                 S = sum(counts[c] // (dp * t) for c, t in zip(chips, tps))
                 if 1 <= S <= L:
                     out.append((mb, dp, m, tuple(zip(chips, tps))))
@@ -692,7 +835,9 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
     """Uniform plans (one TP degree for all stages, larger-memory chips first, even layer
     split) for every dp / micro-batch / TP; each with its estimate. Sorted, best first."""
     rms = rms if rms is not None else {}
-    cfgs, counts = _configs(costs, cluster, global_batch, micro_batches, schedule, dp_options, max_tp)
+    cfgs, counts = _configs(costs, cluster, global_batch, micro_batches, schedule, dp_options,
+                            max_tp, uniform_only=True)
+    first = memory_order(cluster, list(counts))
     out = []
     for mb, dp, m, tps in cfgs:
         if len({t for _, t in tps}) != 1:
@@ -700,9 +845,10 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
         if mb not in rms:
             rms[mb] = ResourceModel(costs, cluster, mb, seq_len, calibration)
         rm = rms[mb]
-        cfg = Config(dp, mb, m, tps, memory_orders(cluster, list(counts))[0], tuple(sorted(counts.items())))
+        cfg = Config(dp, mb, m, tps, first, tuple(sorted(counts.items())), schedule=schedule)
         moe = _moe_plan(rm, cluster, rm.costs, dp, dict(tps), max_ep)
-        line = StageLine(rm, cfg, schedule, moe.ep if moe else 1, moe.a2a if moe else "flat", kinds)
+        line = StageLine(rm, cfg, schedule, moe.ep if moe else 1, moe.a2a if moe else "flat", kinds,
+                         placed=False)       # ranks uniform plans only; the best is simulated
         bounds = _uniform_bounds(costs, line.S)
         if bounds is None:
             continue
@@ -728,7 +874,7 @@ def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len
         raise H2Error(f"no uniform plan of {costs.model} fits {cluster.name} "
                       f"(global batch {global_batch})")
     for c in cands[:3]:
-        c.sim = simulate(costs, c.plan, cluster, calibration)
+        c.sim = simulate(costs, c.plan, cluster, calibration, record=False)
     return min(cands[:3], key=lambda c: c.step_time_s)
 
 
@@ -739,123 +885,8 @@ EXHAUSTIVE_LINE_LIMIT = 3_000_000
 EXHAUSTIVE_TOTAL_LIMIT = 50_000_000
 
 
-def _check_exhaustive_size(costs: ModelCosts, cfgs, counts: dict, n_orders: int):
-    """Refuse an exhaustive search up front when some line, or all of them together, has more
-    layer splits than numpy can enumerate in reasonable time and memory."""
-    L = len(costs.layers)
-    total, worst = 0, (0, None)
-    for mb, dp, m, tps in cfgs:
-        S = sum(counts[c] // (dp * t) for c, t in tps)
-        n = math.comb(L - 1, S - 1)
-        total += n * n_orders
-        if n > worst[0]:
-            worst = (n, (mb, dp, tps))
-    if worst[0] > EXHAUSTIVE_LINE_LIMIT or total > EXHAUSTIVE_TOTAL_LIMIT:
-        mb, dp, tps = worst[1]
-        raise H2Error(f"exhaustive search would enumerate {total:,} layer splits (up to {worst[0]:,} "
-                      f"for dp={dp} micro-batch={mb} tp={dict(tps)}); the limit is "
-                      f"{EXHAUSTIVE_LINE_LIMIT:,} per configuration and {EXHAUSTIVE_TOTAL_LIMIT:,} "
-                      f"in all", hint="use --search heuristic")
-
-
-class _ConfigBound:
-    """Order-independent lower bounds on a configuration's estimate, from per-(chip, tp)
-    numbers only, so thousands of configurations are ranked before any stage line is built.
-
-    `quick`: the paced part alone, with blocks spread over the stages by speed (continuous).
-    `full`: for a bottleneck T, a stage of type k holds at most
-        max(min(floor(T / t_k), M_k(i)), min(floor(T / r_k), R_k(i)))
-    transformer blocks: t_k / r_k are its fastest block time without / with recomputation and
-    M_k(i) / R_k(i) the blocks that fit its memory without / with it, with i micro-batches in
-    flight (at best its stages sit at the last positions, holding 1, 2, ... in flight). T is
-    feasible only if the stages can hold every block; one micro-batch's pass costs at least the
-    blocks placed fastest-type-first within those capacities (exchange argument) plus every
-    other layer on its fastest type. The bound is the minimum over T of (m-1) T + that pass,
-    taken where the pass cost steps (whole numbers of blocks); T values past the first few are
-    bounded by the cheapest possible pass."""
-
-    STEPS = 12
-
-    def __init__(self, costs: ModelCosts):
-        kinds = [l.kind for l in costs.layers]
-        self.block = np.array([k in BLOCK_KINDS for k in kinds]) if any(k in BLOCK_KINDS for k in kinds) \
-            else np.ones(len(kinds), bool)
-        self.n_blocks = int(self.block.sum())
-        self._keys: dict = {}
-
-    def key(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, count: int):
-        k = (id(rm), chip, tp, ep, a2a, count)
-        if k not in self._keys:
-            lt = rm.layer_times(chip, tp, ep, a2a)
-            tau = np.add(lt.fwd_layer, lt.bwd_layer)
-            tb = float(tau[self.block].min())
-            rb = float((tau + np.array(lt.fwd_layer))[self.block].min())
-            dev = rm.la.device(tp, ep)
-            state = float((dev.params[self.block] * rm.la.state.total).min())
-            act = float(dev.act[self.block].min())
-            out = float(dev.out[self.block].min())
-            cap = rm.cluster.chip(chip).mem_bytes
-            i = np.arange(1, count + 1)
-            M = np.maximum(np.floor((cap - 2 * out) / (state + i * act)), 0).astype(int)
-            room = cap - act - 2 * out       # one block's working set while it recomputes
-            R = np.maximum(np.floor(room / (state + i * out)), 0).astype(int)
-            N = self.n_blocks
-            self._keys[k] = (tau, tb, rb, np.minimum(M, N).tolist(), np.minimum(R, N).tolist(), count)
-        return self._keys[k]
-
-    def stats(self, rm, shapes_count, ep, a2a):
-        return sorted((self.key(rm, c, t, ep, a2a, n) for (c, t), n in shapes_count.items()),
-                      key=lambda s: s[1])
-
-    def quick(self, stats, m: int) -> float:
-        N = self.n_blocks
-        mt = np.min([s[0] for s in stats], axis=0)
-        speed = sum(cnt / tb for _, tb, _, _, _, cnt in stats)
-        return (m - 1) * max(N / speed, float(mt.max())) + N * stats[0][1] + float(mt[~self.block].sum())
-
-    def full(self, stats, m: int) -> float:
-        N = self.n_blocks
-        mt = np.min([s[0] for s in stats], axis=0)
-        other = float(mt[~self.block].sum())
-        arrs = [(tb, rb, np.array(M), np.array(R)) for _, tb, rb, M, R, _ in stats]
-
-        def capacity(T):
-            return [int(np.maximum(np.minimum(int(T / tb * (1 + 1e-12)), M),
-                                   np.minimum(int(T / rb * (1 + 1e-12)), R)).sum())
-                    for tb, rb, M, R in arrs]
-
-        def pass_cost(caps):
-            left, cost = N, 0.0
-            for s, c in zip(stats, caps):
-                take = min(left, c)
-                cost += take * s[1]
-                left -= take
-            return cost if left == 0 else math.inf
-
-        # the bottleneck is always a whole number of blocks on some stage type: search those
-        n = np.arange(1, N + 1)
-        cands = np.unique(np.concatenate([n * t for _, tb, rb, _, _, _ in stats for t in (tb, rb)]))
-        if sum(capacity(cands[-1])) < N:
-            return math.inf                       # the blocks cannot fit at any speed
-        lo, hi = 0, len(cands) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if sum(capacity(cands[mid])) >= N:
-                hi = mid
-            else:
-                lo = mid + 1
-        T0 = max(float(cands[lo]), float(mt.max()))
-        best = (m - 1) * T0 + pass_cost(capacity(T0))
-        if m > 1:
-            later = cands[lo + 1:lo + 1 + self.STEPS + 1]
-            for T in later[:self.STEPS]:
-                if (m - 1) * T >= best:
-                    break
-                best = min(best, (m - 1) * float(T) + pass_cost(capacity(T)))
-            else:
-                if len(later) > self.STEPS:
-                    best = min(best, (m - 1) * float(later[self.STEPS]) + N * stats[0][1])
-        return (best + other) * (1 - 1e-9)
+EXHAUSTIVE_LINE_LIMIT = 3_000_000
+EXHAUSTIVE_TOTAL_LIMIT = 50_000_000
 
 
 def micro_batch_options(global_batch: int, micro_batch: int | None) -> list[int]:
@@ -864,162 +895,506 @@ def micro_batch_options(global_batch: int, micro_batch: int | None) -> list[int]
     return [micro_batch] if micro_batch else [b for b in MICRO_BATCHES if global_batch % b == 0]
 
 
-class _BestFirstSearch:
-    """HeteroAuto's best-first queue over lazily refined lower bounds. An entry is
-    (bound, seq, step, item); each step refines its item and re-queues it one level down:
+# ----------------------------------------------------------------------------------------------
+# the lines of stages of one configuration
 
-      config  quick `_ConfigBound` bound  -> full bound, then its stage orders
-      order   the order's own bound (`StageLine.min_bottleneck`) -> its layer split
-      split   DFS over the line's stage groups (`StageLine.best_split`) -> candidates
+def type_sequences(B: int, tps: list[int], L: int, space: PlanSpace, exact: bool) -> list[tuple]:
+    """The tp sequences of one chip type's stages with B chips per replica: one tp for all its
+    stages (B // tp of them), or, with `mixed_tp`, h stages at a higher tp t1 followed by the
+    rest at a lower t2 (earlier stages hold more micro-batches in flight, so they get the
+    larger tp). Without `idle` every chip must be used. At most L stages (each needs a layer);
+    outside `exact` mode, h takes a quarter, a half and three quarters of the range."""
+    out = []
+    for t in tps:
+        s = B // t
+        if s == 0 or (not space.idle and B % t):
+            continue
+        if s > L:
+            if not space.idle:
+                continue
+            s = L
+        out.append((t,) * s)
+    if space.mixed_tp:
+        for i, t1 in enumerate(tps):
+            for t2 in (tps[:i] if exact else tps[max(0, i - 1):i]):
+                hmax = (B - t2) // t1
+                hs = range(1, hmax + 1) if exact else sorted({max(1, hmax * q // 4) for q in (1, 2, 3)})
+                for h in hs:
+                    if h > hmax:
+                        continue
+                    rest = B - h * t1
+                    if not space.idle and rest % t2:
+                        continue
+                    seq = (t1,) * h + (t2,) * (rest // t2)
+                    if len(seq) <= L:
+                        out.append(seq)
+    return list(dict.fromkeys(out))
 
-    The search stops when the smallest bound left cannot beat the `keep`-th best estimate."""
 
-    def __init__(self, costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
-                 schedule: str, exhaustive: bool, keep: int, node_budget: int, orders: list,
-                 rms: dict, kinds: dict, max_ep: int | None = None):
-        self.max_ep = max_ep
-        self.costs, self.cluster, self.global_batch, self.seq_len = costs, cluster, global_batch, seq_len
-        self.schedule, self.exhaustive, self.keep, self.node_budget = schedule, exhaustive, keep, node_budget
-        self.orders, self.rms, self.kinds = orders, rms, kinds
-        self.bound = _ConfigBound(costs)
-        self.found: list[Candidate] = []
-        self.nodes = self.searched = 0
+def _lines_exact(seqs: dict, space: PlanSpace, L: int, limit: int):
+    """Every line of the space for one configuration, or None if there are more than `limit`:
+    each used type one of its sequences (`type_sequences`; with `idle`, a type may be absent),
+    in any order of the types' blocks; with `split_types`, one type's sequence may be cut into
+    two blocks anywhere in the order (its first part first)."""
+    chips = sorted(seqs)
+    choices = [seqs[c] + ([None] if space.idle else []) for c in chips]
+    if math.prod(len(c) for c in choices) > 20 * limit:
+        return None
+    out: dict = {}
+    for pick in itertools.product(*choices):
+        used = [(c, s) for c, s in zip(chips, pick) if s is not None]
+        if not used or sum(len(s) for _, s in used) > L:
+            continue
+        blocksets = [[(c, s) for c, s in used]]
+        if space.split_types:
+            for i, (c, s) in enumerate(used):
+                for cut in range(1, len(s)):
+                    blocksets.append([x for k, x in enumerate(used) if k != i]
+                                     + [(c, s[:cut]), (c + "\0", s[cut:])])
+        for blocks in blocksets:
+            for perm in itertools.permutations(blocks):
+                names = [c for c, _ in perm]
+                if any(c.endswith("\0") and names.index(c) < names.index(c[:-1]) for c in names):
+                    continue
+                shapes = tuple((c.rstrip("\0"), t) for c, s in perm for t in s)
+                out[shapes] = None
+                if len(out) > limit:
+                    return None
+    return list(out)
+
+
+class _LocalLines:
+    """Lines for a configuration too large to enumerate: coordinate descent over each type's
+    stage sequence (one of `type_sequences`, or idle), moves of one block to another place in
+    the order, and cutting one type into two blocks (A-B-A); each line scored by the bound of
+    its bottleneck-packed split. O(types x sequences + blocks^2) lines per round, not k!."""
+
+    ROUNDS = 3
+
+    def __init__(self, score, seqs: dict, first_order: list, space: PlanSpace, L: int):
+        self.score, self.seqs, self.space, self.L = score, seqs, space, L
+        self.first_order = first_order
+        self.seen: dict = {}
+        self.rounds = self.ROUNDS
+
+    def shapes(self, pick: dict, order: list, cut) -> tuple:
+        out = []
+        for c, part in order:
+            s = pick[c]
+            if cut is not None and cut[0] == c:
+                s = s[:cut[1]] if part == 0 else s[cut[1]:]
+            out += [(c, t) for t in s]
+        return tuple(out)
+
+    def value(self, pick, order, cut) -> float:
+        sh = self.shapes(pick, order, cut)
+        if not sh or len(sh) > self.L:
+            return math.inf
+        if sh not in self.seen:
+            self.seen[sh] = self.score(sh)
+        return self.seen[sh]
+
+    def start_value(self, start=None) -> float:
+        """The score of the line the descent would start from."""
+        pick = {c: max(self.seqs[c], key=lambda s: (s[0], -len(s))) for c in self.seqs}
+        v = self.value(pick, [(c, 0) for c in self.first_order], None)
+        if start is not None and all(c in self.seqs and s in self.seqs[c] for c, s in start[0].items()):
+            v = min(v, self.value(*start))
+        return v
+
+    def run(self, keep: int = 3, start=None) -> list:
+        """The `keep` best lines as (score, shapes); `start` (pick, order, cut) from a related
+        configuration (the same dp) seeds the descent, which then needs fewer rounds."""
+        pick = {c: max(self.seqs[c], key=lambda s: (s[0], -len(s))) for c in self.seqs}
+        order = [(c, 0) for c in self.first_order]
+        cut = None
+        best = self.value(pick, order, cut)
+        if start is not None and all(c in self.seqs and s in self.seqs[c] for c, s in start[0].items()):
+            v = self.value(*start)
+            if v < best:
+                best, (pick, order, cut) = v, start
+        for _ in range(self.rounds):
+            moves = []
+            for c in self.seqs:                            # each type's stage sequence, or idle
+                opts = list(self.seqs[c]) + ([None] if self.space.idle else [])
+                for s in opts:
+                    if s == pick.get(c):
+                        continue
+                    p2 = dict(pick)
+                    o2 = list(order)
+                    c2 = cut
+                    if s is None:
+                        p2.pop(c, None)
+                        o2 = [b for b in o2 if b[0] != c]
+                        c2 = None if cut and cut[0] == c else cut
+                    else:
+                        p2[c] = s
+                        if c not in pick:
+                            o2 = o2 + [(c, 0)]
+                        if cut and cut[0] == c:
+                            c2 = (c, min(cut[1], len(s) - 1)) if len(s) > 1 else None
+                            if c2 is None:
+                                o2 = [b for b in o2 if b != (c, 1)]
+                    moves.append((p2, o2, c2))
+            for i, blk in enumerate(order):                # one block elsewhere in the order
+                rest = order[:i] + order[i + 1:]
+                for k in range(len(rest) + 1):
+                    o2 = rest[:k] + [blk] + rest[k:]
+                    if o2 != order and _cut_order_ok(o2):
+                        moves.append((pick, o2, cut))
+            if self.space.split_types and cut is None:    # A-B-A: cut one type in two
+                for c in pick:
+                    s = pick[c]
+                    if len(s) < 2:
+                        continue
+                    for at in sorted({1, len(s) // 2}):
+                        for k in range(len(order) + 1):
+                            o2 = order[:k] + [(c, 1)] + order[k:]
+                            if _cut_order_ok(o2):
+                                moves.append((pick, o2, (c, at)))
+            scored = [(self.value(p, o, c), i) for i, (p, o, c) in enumerate(moves)]
+            if not scored:
+                break
+            v, i = min(scored)
+            if v >= best:
+                break
+            best = v
+            pick, order, cut = moves[i]
+        self.state = (pick, order, cut)
+        ranked = sorted((v, sh) for sh, v in self.seen.items() if v < math.inf)
+        return ranked[:keep]
+
+
+def _cut_order_ok(order: list) -> bool:
+    pos = {b: i for i, b in enumerate(order)}
+    return all(pos[(c, 0)] < i for (c, part), i in pos.items() if part == 1 and (c, 0) in pos)
+
+
+def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict, m: int,
+                  schedule: str, ep: int, a2a: str) -> float:
+    """A lower bound of every line of a configuration: some stage runs at least T per
+    micro-batch, m times, where T is the smallest bottleneck at which the types' chips could
+    hold every transformer block (a stage of (chip, tp) holds at most the blocks that fit
+    under T by time and by memory at its least in-flight count: GPipe m, 1F1B 1), with each
+    type's chips at the tp that holds the most blocks per chip; and one micro-batch crosses
+    every layer on its fastest (chip, tp)."""
+    la = rm.la
+    block = la.is_block if la.is_block.any() else np.ones(la.L, bool)
+    N = int(block.sum())
+    infl = m if schedule == "gpipe" else 1
+    kinds, pass_t = [], np.full(la.L, np.inf)
+    for c, B in budgets.items():
+        cap_mem = device_capacity(cluster.chip(c))
+        for t in tps[c]:
+            lt = rm.layer_times(c, t, ep, a2a)
+            tau = np.add(lt.fwd_layer, lt.bwd_layer)
+            pass_t = np.minimum(pass_t, tau)
+            dev = la.device(t, ep)
+            tb = float(tau[block].min())
+            rb = float((tau + np.array(lt.fwd_layer))[block].min())
+            state = float((dev.params[block] * la.state.total).min())
+            act = float(dev.act[block].min())
+            out = float(dev.out[block].min())
+            M = max(0, math.floor((cap_mem - 2 * out) / (state + infl * act)))
+            R = max(0, math.floor((cap_mem - act - 2 * out) / (state + infl * out)))
+            kinds.append((c, B / t, tb, rb, min(M, N), min(R, N)))
+    if not kinds:
+        return math.inf
+
+    def blocks(T):
+        per = {}
+        for c, n, tb, rb, M, R in kinds:
+            held = n * max(min(int(T / tb * (1 + 1e-12)), M), min(int(T / rb * (1 + 1e-12)), R))
+            per[c] = max(per.get(c, 0.0), held)
+        return sum(per.values())
+
+    cands = np.unique(np.concatenate([np.arange(1, N + 1) * x for _, _, tb, rb, _, _ in kinds for x in (tb, rb)]))
+    if blocks(cands[-1]) < N:
+        return math.inf
+    lo, hi = 0, len(cands) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks(cands[mid]) >= N:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(m * float(cands[lo]), float(pass_t.sum())) * (1 - 1e-9)
+
+
+# ----------------------------------------------------------------------------------------------
+# HeteroAuto
+
+def fits_memory(costs: ModelCosts, plan: Plan, cluster: Cluster) -> bool:
+    """Every stage within its devices' capacity by `stage_memory`, the validator's check (the
+    search's vectorised feasibility leaves out tied-parameter copies)."""
+    return all(m.total <= m.capacity for m in
+               (stage_memory(costs, plan, cluster, j) for j in range(plan.num_stages)))
+
+
+class _Search:
+    """Best-first over lower bounds. Heap entries (bound, seq, kind, item):
+
+      config  (micro-batch, dp, schedule) under `_config_bound` -> its lines
+      line    a StageLine under its own bound (`StageLine.bound`) -> its best splits (DFS), the
+              line re-queued under the bound of its last split for more
+      cand    a complete plan under its lower bound -> simulated
+
+    It stops when the bound at the top is no better than the best simulated step (`exact`), or
+    when the simulation budget or the time limit runs out."""
+
+    def __init__(self, costs, cluster, global_batch, seq_len, space, schedules, exhaustive,
+                 calibration, node_budget, max_tp, max_ep, dp_options, mbs, max_sims, deadline):
+        self.costs, self.cluster, self.gb, self.seq_len = costs, cluster, global_batch, seq_len
+        self.space, self.schedules, self.exhaustive = space, schedules, exhaustive
+        self.calibration, self.node_budget = calibration, node_budget
+        self.max_tp, self.max_ep, self.dp_options, self.mbs = max_tp, max_ep, dp_options, mbs
+        self.max_sims, self.deadline = max_sims, deadline
+        self.counts = chip_counts(cluster)
+        if not self.counts:
+            raise H2Error(f"cluster {cluster.name!r} has no chips")
+        self.counts_t = tuple(sorted(self.counts.items()))
+        self.rms: dict = {}
+        self.kinds: dict = {}
         self.heap: list = []
         self.seq = itertools.count()
+        self.sims: list[Candidate] = []
+        self.best_sim = math.inf
+        self.nodes = self.lines = self.configs = self.configs_total = 0
+        self.exact = True
+        self.timed_out = False
+        self.emitted: set = set()
+        self.best_line = math.inf           # best split bound of the lines found by local search
+        self.warm: dict = {}                # (schedule, dp) -> the local search's last state
+        self.sim_s = 0.0
 
-    def threshold(self) -> float:
-        """The `keep`-th best estimate found so far: a bound at or above it is not worth pursuing."""
-        if len(self.found) < self.keep:
-            return math.inf
-        return sorted(c.estimate_s for c in self.found)[self.keep - 1]
+    def rm(self, mb):
+        if mb not in self.rms:
+            self.rms[mb] = ResourceModel(self.costs, self.cluster, mb, self.seq_len, self.calibration)
+        return self.rms[mb]
 
-    def push(self, lb: float, step: str, item: tuple):
-        heapq.heappush(self.heap, (lb, next(self.seq), step, item))
+    def push(self, lb, kind, item):
+        heapq.heappush(self.heap, (lb, next(self.seq), kind, item))
 
-    def offer(self, line: StageLine, moe, scored, kind: str):
-        """Keep the candidates of (estimate, bounds) pairs from `line`; the best keep*4 survive."""
-        for est, bounds in scored:
-            plan = line.plan(bounds, self.costs.model, self.cluster, self.global_batch, self.seq_len, moe)
-            self.found.append(Candidate(plan, est, kind, line.config, bounds))
-        self.found.sort(key=lambda c: c.estimate_s)
-        del self.found[self.keep * 4:]
+    # -- configurations
+    def configurations(self):
+        L = len(self.costs.layers)
+        too_many = 0
+        mn, mx_ = min(self.counts.values()), max(self.counts.values())
+        g = 0
+        for n in self.counts.values():
+            g = math.gcd(g, n)
+        for sched in self.schedules:
+            for mb in self.mbs:
+                if self.gb % mb:
+                    continue
+                for dp in divisors(self.gb // mb):
+                    if self.dp_options and dp not in self.dp_options:
+                        continue
+                    if dp > (mx_ if self.space.idle else g):
+                        continue
+                    m = self.gb // (dp * mb)
+                    if m > MAX_MICROBATCHES:
+                        too_many += 1
+                        continue
+                    self.configs_total += 1
+                    self._queue_config(sched, mb, dp, m, L)
+        if not self.heap and too_many:
+            raise H2Error(f"global batch {self.gb} needs more than {MAX_MICROBATCHES:,} "
+                          f"micro-batches per step at every micro-batch size and dp tried "
+                          f"({', '.join(map(str, self.mbs))})",
+                          hint="lower --global-batch, or raise --micro-batch")
 
-    def add_configurations(self, cfgs, counts: dict, calibration):
-        """Queue every candidate configuration (dp, micro-batch, tp per chip type) that can hold
-        the model states at all, in the memory-descending order, under its quick bound."""
-        counts_t = tuple(sorted(counts.items()))
-        for mb, dp, m, tps in cfgs:
-            if mb not in self.rms:
-                self.rms[mb] = ResourceModel(self.costs, self.cluster, mb, self.seq_len, calibration)
-            rm = self.rms[mb]
-            if not _fits_at_all(rm, self.cluster, counts, dp):
+    def _queue_config(self, sched, mb, dp, m, L):
+        rm = self.rm(mb)
+        budgets, tps = {}, {}
+        for c, n in self.counts.items():
+            if not self.space.idle and n % dp:
+                return
+            B = n // dp
+            opts = [t for t in tp_options(self.cluster, c, B, self.costs.n_heads, divide=not self.space.idle)
+                    if self.max_tp is None or t <= self.max_tp]
+            if B and opts:
+                budgets[c], tps[c] = B, opts
+            elif not self.space.idle:
+                return
+        if not budgets:
+            return
+        need = float(rm.la.params.sum()) * rm.la.state.total
+        if sum(device_capacity(self.cluster.chip(c)) * B for c, B in budgets.items()) < need:
+            return
+        moe = _moe_plan(rm, self.cluster, rm.costs, dp, {c: t[0] for c, t in tps.items()}, self.max_ep)
+        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
+        lb = _config_bound(rm, self.cluster, budgets, tps, m, sched, ep, a2a)
+        if lb < math.inf:
+            self.push(lb, "config", (sched, mb, dp, m, budgets, tps, moe))
+
+    def _line(self, sched, mb, dp, m, shapes, moe, placed=True):
+        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
+        cfg = _config_of(dp, mb, m, shapes, self.counts_t, sched)
+        return StageLine(self.rm(mb), cfg, sched, ep, a2a, self.kinds, placed)
+
+    def expand_config(self, lb, sched, mb, dp, m, budgets, tps, moe):
+        self.configs += 1
+        L = len(self.costs.layers)
+        exact_seqs = {c: type_sequences(B, tps[c], L, self.space, True) for c, B in budgets.items()}
+        exact_seqs = {c: s for c, s in exact_seqs.items() if s}
+        limit = max(1, EXACT_WORK // L)
+        lines = _lines_exact(exact_seqs, self.space, L, limit) if exact_seqs else []
+        if lines is None:
+            if self.exhaustive:
+                raise H2Error(f"exhaustive search: dp={dp} micro-batch={mb} has more than "
+                              f"{limit:,} lines of stages", hint="use --search heuristic")
+            seqs = {c: type_sequences(B, tps[c], L, self.space, False) for c, B in budgets.items()}
+            seqs = {c: s for c, s in seqs.items() if s}
+            order = list(memory_order(self.cluster, list(seqs)))
+
+            def score(shapes):
+                line = self._line(sched, mb, dp, m, shapes, moe, placed=False)
+                r = line.min_bottleneck()
+                if r is None:
+                    return math.inf
+                e = line.estimate(r[1])
+                return e[0] if e else math.inf
+
+            if lb >= self.best_line:
+                return                       # a line already found is at least as good
+            ll = _LocalLines(score, seqs, order, self.space, L)
+            start = self.warm.get((sched, dp))
+            if start is not None:
+                # the same dp at another micro-batch: start from its best line, one round
+                if ll.start_value(start) > self.best_line * (1 + PROBE_SLACK):
+                    return                   # far behind the best line found: not worth a descent
+                ll.rounds = 1
+            found = ll.run(start=start)
+            self.warm[(sched, dp)] = ll.state
+            if found:
+                self.best_line = min(self.best_line, found[0][0])
+            lines = [sh for _, sh in found]
+        elif self.exhaustive:
+            total = sum(math.comb(L - 1, len(sh) - 1) for sh in lines if len(sh) <= L)
+            worst = max((math.comb(L - 1, len(sh) - 1) for sh in lines if len(sh) <= L), default=0)
+            if worst > EXHAUSTIVE_LINE_LIMIT or total > EXHAUSTIVE_TOTAL_LIMIT:
+                raise H2Error(f"exhaustive search would enumerate {total:,} layer splits (up to "
+                              f"{worst:,} in one line, dp={dp} micro-batch={mb}); the limit is "
+                              f"{EXHAUSTIVE_LINE_LIMIT:,} per line and {EXHAUSTIVE_TOTAL_LIMIT:,} "
+                              f"in all", hint="use --search heuristic")
+        for shapes in lines:
+            if len(shapes) > L:
                 continue
-            moe = _moe_plan(rm, self.cluster, rm.costs, dp, dict(tps), self.max_ep)
-            ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
-            stats = self.bound.stats(rm, {(c, t): counts[c] // (dp * t) for c, t in tps}, ep, a2a)
-            cfg = Config(dp, mb, m, tps, self.orders[0], counts_t)
-            lb = 0.0 if self.exhaustive else self.bound.quick(stats, m)
-            self.push(lb, "config", (cfg, moe, stats))
+            line = self._line(sched, mb, dp, m, shapes, moe)
+            self.lines += 1
+            if self.exhaustive:
+                self.push(lb, "line", (line, moe, 0))
+                continue
+            r = line.bound()
+            if r is not None and r[0] < self.best_sim:
+                self.push(max(lb, r[0]), "line", (line, moe, 0))
+
+    def expand_line(self, lb, line, moe, done):
+        k = done + (4 if line.S * line.L <= 256 else 1)
+        if self.exhaustive:
+            res = line.all_splits(k)
+        else:
+            res, n = line.best_split(self.best_sim, self.node_budget, k=k)
+            self.nodes += n
+        new = 0
+        for est, ends in res:
+            key = (id(line), ends)
+            if key in self.emitted:
+                continue
+            self.emitted.add(key)
+            new += 1
+            plan = line.plan(ends, self.costs.model, self.cluster, self.gb, self.seq_len, moe)
+            if not fits_memory(self.costs, plan, self.cluster):
+                continue
+            kind = "exhaustive" if self.exhaustive else "auto"
+            self.push(est, "cand", Candidate(plan, est, kind, line.config, ends))
+        if len(res) >= k and res:
+            self.push(max(lb, res[-1][0]), "line", (line, moe, k))
+
+    def simulate(self, cand: Candidate):
+        t0 = time.perf_counter()
+        cand.sim = simulate(self.costs, cand.plan, self.cluster, self.calibration,
+                            resource=self.rm(cand.plan.micro_batch), one_rank=True)
+        cand.sim_s = time.perf_counter() - t0
+        self.sim_s += cand.sim_s
+        self.sims.append(cand)
+        self.best_sim = min(self.best_sim, cand.sim.step_time_s)
+
+    def sim_budget(self) -> float:
+        """Seconds of simulation the final ranking may spend: half a second, or three times
+        the first simulation when that is longer (large plans simulate slowly)."""
+        first = self.sims[0].sim_s if self.sims else 0.0
+        return max(0.5, 3 * first)
 
     def run(self):
-        steps = {"config": self._bound_config, "orders": self._stage_orders,
-                 "order": self._bound_order, "split": self._layer_split}
+        steps = {"config": self.expand_config, "line": self.expand_line}
         while self.heap:
-            lb, _, step, item = heapq.heappop(self.heap)
-            if lb >= self.threshold():
-                break                 # every choice left is bounded below by the keep-th best
-            steps[step](lb, *item)
-
-    def _bound_config(self, lb, cfg, moe, stats):
-        lb = 0.0 if self.exhaustive else max(lb, self.bound.full(stats, cfg.m))
-        if lb < math.inf:
-            self.push(lb, "orders", (cfg, moe))
-
-    def _stage_orders(self, lb, cfg, moe):
-        for order in self.orders:
-            c = Config(cfg.dp, cfg.micro_batch, cfg.m, cfg.tp, order, cfg.counts)
-            self.push(lb, "order", (c, moe))
-
-    def _bound_order(self, lb, cfg, moe):
-        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
-        line = StageLine(self.rms[cfg.micro_batch], cfg, self.schedule, ep, a2a, self.kinds)
-        self.searched += 1
-        if self.exhaustive:
-            self.offer(line, moe, line.all_splits(self.keep), "exhaustive")
-            return
-        r = line.min_bottleneck()
-        if r is None:
-            return                                # this order cannot fit in memory
-        T_lo, inc = r
-        olb = max(lb, line.lb_sum[0][0] + (line.m - 1) * T_lo)
-        self.push(olb, "split", (line, inc, moe))
-
-    def _layer_split(self, lb, line, inc, moe):
-        # small lines keep their `keep` best splits (the final ranking simulates the best
-        # few overall, as the exhaustive search does); large ones keep one
-        res, n = line.best_split(self.threshold(), self.node_budget, incumbent=inc,
-                                 k=self.keep if line.S * line.L <= 256 else 1)
-        self.nodes += n
-        self.offer(line, moe, res, "auto")
-
-
-def _rank_by_simulation(costs: ModelCosts, cluster: Cluster, found: list, uniforms: list, keep: int,
-                        calibration, rms: dict) -> tuple[list, Candidate | None]:
-    """Simulate the `keep` best candidates by estimate and the best uniform plan; (all of them
-    by simulated step time, the uniform candidate)."""
-    found.sort(key=lambda c: c.estimate_s)
-    finalists = found[:keep]
-    for c in finalists + uniforms[:1]:
-        c.sim = simulate(costs, c.plan, cluster, calibration, resource=rms[c.plan.micro_batch])
-    uniform = uniforms[0] if uniforms else None
-    pool = sorted(finalists + ([uniform] if uniform else []), key=lambda c: c.step_time_s)
-    return pool, uniform
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                self.timed_out, self.exact = True, False
+                break
+            lb, _, kind, item = self.heap[0]
+            if lb >= self.best_sim * (1 - 1e-9):
+                break                       # nothing left can beat the best simulated step
+            heapq.heappop(self.heap)
+            if kind == "cand":
+                if self.sims and (len(self.sims) >= self.max_sims or self.sim_s > self.sim_budget()):
+                    self.exact = False
+                    break
+                self.simulate(item)
+            else:
+                steps[kind](lb, *item)
+        if not self.sims:                   # out of time before any simulation: the best bound
+            cands = sorted((e for e in self.heap if e[2] == "cand"), key=lambda e: e[0])
+            if cands:
+                self.simulate(cands[0][3])
 
 
 def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
            micro_batch: int | None = None, schedule: str = "1f1b", method: str = "heuristic",
-           calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 30_000,
-           max_tp: int | None = None, max_ep: int | None = None) -> SearchResult:
-    """HeteroAuto: the plan with the lowest simulated step time among the best candidates.
+           calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 2_000,
+           max_tp: int | None = None, max_ep: int | None = None, space: PlanSpace | None = None,
+           time_limit: float | None = None, max_sims: int = 48) -> SearchResult:
+    """HeteroAuto: the plan with the lowest simulated step time (`_Search`).
 
-    Heuristic: best-first over lazily refined lower bounds (`_BestFirstSearch`). A configuration
-    enters with a quick bound, is re-queued with the full `_ConfigBound`, then expands into its
-    stage orders; an order is re-queued with its own bound (fewest-layers bottleneck of that
-    exact line, `StageLine.min_bottleneck`), and only when it is popped again is its layer split
-    searched (`StageLine.best_split`). The search stops when the smallest bound left cannot
-    beat the `top_k`-th best estimate found, so every skipped choice is provably worse by the
-    estimate (up to the DFS node budget)."""
+    `schedule` may be 'auto' (1f1b and gpipe); `space` switches the plan space's dimensions;
+    `time_limit` (seconds) returns the best plan found so far when it runs out
+    (`SearchResult.timed_out`); `max_sims` caps the simulations of the final ranking. The best
+    uniform plan is simulated too and competes, so the choice is never predicted slower."""
     if method not in ("heuristic", "exhaustive"):
         raise H2Error(f"unknown search method {method!r} (expected heuristic or exhaustive)")
     if global_batch < 1:
         raise H2Error(f"global batch must be positive, got {global_batch}")
     t0 = time.perf_counter()
+    space = space or PlanSpace()
+    schedules = tuple(space.schedules or (("1f1b", "gpipe") if schedule == "auto" else (schedule,)))
     seq_len = seq_len or costs.seq_len
     mbs = micro_batch_options(global_batch, micro_batch)
-    cfgs, counts = _configs(costs, cluster, global_batch, mbs, schedule, dp_options, max_tp)
-    orders = memory_orders(cluster, list(counts))
-    exhaustive = method == "exhaustive"
-    if exhaustive:
-        _check_exhaustive_size(costs, cfgs, counts, len(orders))
-    keep = max(top_k, 3)
-    rms: dict[int, ResourceModel] = {}
-    kinds: dict = {}
-    bfs = _BestFirstSearch(costs, cluster, global_batch, seq_len, schedule, exhaustive, keep,
-                           node_budget, orders, rms, kinds, max_ep)
-    bfs.add_configurations(cfgs, counts, calibration)
-    bfs.run()
-
-    uniforms = uniform_candidates(costs, cluster, global_batch, seq_len, mbs, schedule,
-                                  calibration, rms, dp_options, kinds, max_tp, max_ep)
-    if not bfs.found and not uniforms:
+    deadline = t0 + time_limit if time_limit else None
+    s = _Search(costs, cluster, global_batch, seq_len, space, schedules, method == "exhaustive",
+                calibration, node_budget, max_tp, max_ep, dp_options, mbs, max_sims, deadline)
+    s.configurations()
+    s.run()
+    uniforms = []
+    for sched in schedules:
+        uniforms += uniform_candidates(costs, cluster, global_batch, seq_len, mbs, sched,
+                                       calibration, s.rms, dp_options, s.kinds, max_tp, max_ep)
+    uniforms.sort(key=lambda c: c.estimate_s)
+    if not s.sims and not uniforms:
         raise H2Error(f"no plan of {costs.model} fits in {cluster.name}'s memory "
                       f"(global batch {global_batch}, micro-batches {mbs})",
                       hint="add chips, lower the micro-batch or sequence length")
-    pool, uniform = _rank_by_simulation(costs, cluster, bfs.found, uniforms, keep, calibration, rms)
-    return SearchResult(best=pool[0], runner_ups=pool[1:top_k + 1], uniform=uniform,
+    uniform = uniforms[0] if uniforms else None
+    if uniform is not None:
+        uniform.sim = simulate(costs, uniform.plan, cluster, calibration,
+                               resource=s.rm(uniform.plan.micro_batch), one_rank=True)
+    pool = sorted(s.sims + ([uniform] if uniform else []), key=lambda c: c.step_time_s)
+    best = pool[0]
+    return SearchResult(best=best, runner_ups=pool[1:top_k + 1], uniform=uniform,
                         search_time_s=time.perf_counter() - t0, method=method,
-                        configs_total=len(cfgs) * len(orders), configs_searched=bfs.searched,
-                        dfs_nodes=bfs.nodes)
+                        configs_total=s.configs_total, configs_searched=s.configs,
+                        dfs_nodes=s.nodes, simulations=len(s.sims), exact=s.exact,
+                        timed_out=s.timed_out, lines=s.lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1031,12 +1406,14 @@ class SpeedupReport:
     homogeneous throughput of that type's chips alone (each found by the same search)."""
     hetero_tokens_per_s: float
     homo: dict                       # chip -> {'tokens_per_s', 'global_batch', 'step_time_s', 'plan'} or None
-    ratio: float | None              # homogeneous runs at global batch proportional to their chips
+    ratio: float | None              # homogeneous runs at the same work per chip
     homo_const: dict = field(default_factory=dict)   # same, each at the hetero global batch
     ratio_const_batch: float | None = None
 
     def to_json(self) -> dict:
-        strip = lambda d: {c: ({k: v for k, v in r.items() if k != "plan"} if r else None) for c, r in d.items()}
+        def strip(d):
+            return {c: ({k: v for k, v in r.items() if k != "plan"} | {"config": r["config"]}
+                        if r else None) for c, r in d.items()}
         return {"hetero_tokens_per_s": self.hetero_tokens_per_s, "ratio": self.ratio,
                 "ratio_const_batch": self.ratio_const_batch, "homogeneous": strip(self.homo),
                 "homogeneous_const_batch": strip(self.homo_const)}
@@ -1047,26 +1424,47 @@ def sub_cluster(cluster: Cluster, chip: str) -> Cluster:
                    groups=tuple(g for g in cluster.groups if g.chip == chip), dtype=cluster.dtype)
 
 
-def _homo_best(costs, cluster, chip, global_batch, seq_len, micro_batch, schedule, calibration):
+def share_batch(global_batch: int, chips: int, total: int) -> int:
+    """A homogeneous baseline's global batch at the same work per chip as the heterogeneous run:
+    gb * chips / total, moved to the multiple of 8 within 2 % of it that has the most factors
+    of two, so that the baseline's dp and micro-batch are not forced to 1 by a prime batch
+    (round(1024 * 256 / 768) = 341 = 11 x 31 would be). Below 8 sequences: the exact share."""
+    exact = global_batch * chips / total
+    if exact < 8:
+        return max(1, round(exact))
+    near = [k for k in range(8 * math.floor(exact * 0.98 / 8), math.ceil(exact * 1.02) + 1, 8)
+            if k >= 8 and abs(k - exact) <= 0.02 * exact] or [max(8, 8 * round(exact / 8))]
+    twos = lambda k: (k & -k)
+    return max(near, key=lambda k: (twos(k), -abs(k - exact)))
+
+
+def _homo_best(costs, cluster, chip, global_batch, seq_len, micro_batch, schedule, calibration,
+               space=None):
     try:
         r = search(costs, sub_cluster(cluster, chip), global_batch, seq_len=seq_len,
-                   micro_batch=micro_batch, schedule=schedule, calibration=calibration, top_k=1)
+                   micro_batch=micro_batch, schedule=schedule, calibration=calibration, top_k=1,
+                   space=space)
     except H2Error:
         return None                  # this chip type alone cannot train the model
     return {"tokens_per_s": r.best.tokens_per_s, "global_batch": global_batch,
-            "step_time_s": r.best.step_time_s, "plan": r.best.plan}
+            "step_time_s": r.best.step_time_s, "plan": r.best.plan,
+            "config": r.best.config.describe() if r.best.config else None}
 
 
 def hetero_speedup(costs: ModelCosts, cluster: Cluster, hetero: Candidate, *,
-                   schedule: str = "1f1b", calibration=None) -> SpeedupReport:
+                   schedule: str = "1f1b", calibration=None, space: PlanSpace | None = None) -> SpeedupReport:
+    """Each chip type alone gets its own best plan (the same search, the same plan space) at
+    the same work per chip (`share_batch`), and, separately, at the heterogeneous run's whole
+    global batch (constant global batch)."""
     counts = chip_counts(cluster)
     N = sum(counts.values())
     gb, seq, mb = hetero.plan.global_batch, hetero.plan.seq_len, None
     homo, const = {}, {}
     for c, n in counts.items():
-        gb_c = max(1, round(gb * n / N))
-        homo[c] = _homo_best(costs, cluster, c, gb_c, seq, mb, schedule, calibration)
-        const[c] = homo[c] if gb_c == gb else _homo_best(costs, cluster, c, gb, seq, mb, schedule, calibration)
+        gb_c = share_batch(gb, n, N)
+        homo[c] = _homo_best(costs, cluster, c, gb_c, seq, mb, schedule, calibration, space)
+        const[c] = homo[c] if gb_c == gb else _homo_best(costs, cluster, c, gb, seq, mb, schedule,
+                                                          calibration, space)
 
     def ratio(d):
         tot = sum(r["tokens_per_s"] for r in d.values() if r)

@@ -229,6 +229,14 @@ def plan_layout(plan: Plan) -> WorkerLayout:
     return WorkerLayout(plan.dp, tuple(st.tp for st in plan.stages))
 
 
+def _one_rank_layout(plan: Plan) -> WorkerLayout:
+    """The layout with one worker per stage: the tp ranks of a stage run the same stream, each
+    sender's share of a boundary tensor is timed as the whole transfer and a receive waits for
+    all shares, which arrive together, so rank 0 alone times the stage (`simulate(one_rank=)`,
+    the search's fast path; a test checks it against every rank)."""
+    return WorkerLayout(plan.dp, (1,) * plan.num_stages)
+
+
 def _worker_name(plan: Plan, w: int) -> str:
     r, s, k = plan_layout(plan).where(w)
     st = plan.stages[s]
@@ -239,7 +247,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
              streams: dict[int, list[Instr]] | None = None, workers: list[int] | None = None,
              symmetric: bool = True, record: bool = True,
              resource: ResourceModel | None = None,
-             program_comm: dict | None = None) -> SimResult:
+             program_comm: dict | None = None, one_rank: bool = False) -> SimResult:
     """Simulate one training step of `plan`; durations from the resource model.
 
     `streams` are the instruction streams to time — a build's stream files, as h2x and h2c
@@ -248,11 +256,14 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     volumes of its compiled programs) times TP stages by their programs' collectives. `workers` limits the simulation to some workers (their peers'
     transfers must come from inside the set); by default every worker of `streams` is simulated,
     or, for built streams with `symmetric`, the first replica only: replicas run the same stream
-    up to worker ids, so replica 0 is timed and its all-reduce takes the plan's dp-way time."""
+    up to worker ids, so replica 0 is timed and its all-reduce takes the plan's dp-way time.
+    `one_rank` (built streams only) times each stage by its tp rank 0 (`_one_rank_layout`)."""
     _check_batch(plan)
     rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
     S, m = plan.num_stages, plan.num_microbatches
     lay = plan_layout(plan)
+    if one_rank and streams is None and symmetric:
+        lay = _one_rank_layout(plan)
     program_comm = program_comm or {}
     times = [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
              for j in range(S)]
@@ -287,7 +298,10 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                      busy_s={s.wid: s.busy for s in sims},
                      tokens_per_s=plan.global_batch * plan.seq_len / step,
                      mfu=_mfu(rm, plan, step), events=tl.events,
-                     worker_names={w: _worker_name(plan, w) for w in workers},
+                     worker_names={w: (_worker_name(plan, w) if lay.tps == plan_layout(plan).tps
+                                       else f"w{w} stage {stage_of[w]} {plan.stages[stage_of[w]].chip} "
+                                       f"tp rank 0 of {plan.stages[stage_of[w]].tp}")
+                                   for w in workers},
                      stage_of=stage_of)
 
 

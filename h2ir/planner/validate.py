@@ -6,9 +6,10 @@ a list of warnings for things that are legal but probably not what the user want
 
 Checks, in order: known words and positive numbers (for plans not built by the parser), each
 stage's chip type, chips == dp * tp, TP divides the attention heads, chips per type against the
-cluster, batch divisibility, layer assignment (unknown / twice / not contiguous / out of model
-order / missing), the MoE section, and finally memory per device through
-`h2ir.planner.resource.stage_memory` (the same model the planner and simulator use).
+cluster (at most what it has: chips may stay idle, and a type's stages may have different tp
+and sit anywhere in the order, e.g. A-B-A), batch divisibility, layer assignment (unknown /
+twice / not contiguous / out of model order / missing), the MoE section, and finally memory
+per device through `h2ir.planner.resource.stage_memory` (the same model the planner and simulator use).
 """
 from __future__ import annotations
 

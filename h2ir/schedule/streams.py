@@ -36,8 +36,11 @@ copies stay bit-identical to the owner's, whichever backends the stages run.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from h2ir.errors import H2Error
 
@@ -61,25 +64,29 @@ class WorkerLayout:
     def num_stages(self) -> int:
         return len(self.tps)
 
-    @property
+    @cached_property
+    def _first(self) -> tuple[int, ...]:
+        """First worker id of each stage inside a replica (and the replica's size last)."""
+        return tuple(itertools.accumulate(self.tps, initial=0))
+
+    @cached_property
     def per_replica(self) -> int:
-        return sum(self.tps)
+        return self._first[-1]
 
     @property
     def num_workers(self) -> int:
         return self.dp * self.per_replica
 
     def wid(self, replica: int, stage: int, rank: int = 0) -> int:
-        return replica * self.per_replica + sum(self.tps[:stage]) + rank
+        return replica * self.per_replica + self._first[stage] + rank
 
     def where(self, wid: int) -> tuple[int, int, int]:
         """(replica, stage, tp rank) of worker `wid`."""
         r, k = divmod(wid, self.per_replica)
-        for s, t in enumerate(self.tps):
-            if k < t:
-                return r, s, k
-            k -= t
-        raise ValueError(f"worker w{wid} outside the layout")
+        s = bisect.bisect_right(self._first, k) - 1
+        if not 0 <= s < len(self.tps):
+            raise ValueError(f"worker w{wid} outside the layout")
+        return r, s, k - self._first[s]
 
     def tp_group(self, replica: int, stage: int) -> tuple[int, ...]:
         return tuple(self.wid(replica, stage, k) for k in range(self.tps[stage]))
