@@ -64,15 +64,17 @@ class BuildResult:
 
 def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
-                executable: bool = True, calibration=None):
+                executable: bool = True, calibration=None, time_limit: float | None = None, log=None):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
     runs today (tp=1, ep=1: MoE experts run inside each stage)."""
     max_tp = max_ep = 1 if executable else None
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
                                 schedule=schedule, method=search, calibration=calibration,
-                                max_tp=max_tp, max_ep=max_ep)
+                                max_tp=max_tp, max_ep=max_ep, time_limit=time_limit)
         plan = res.plan
+        if res.timed_out and log:
+            log(f"the --time-limit of {time_limit:g} s ran out: the plan is the best found so far")
     elif plan_arg == "uniform":
         plan = heteroauto.uniform_plan(costs, cluster, global_batch, seq_len=seq_len,
                                        micro_batch=micro_batch, schedule=schedule,
@@ -196,7 +198,8 @@ def _read_inputs(cluster_arg: str, plan_arg: str, global_batch, micro_batch, seq
     return _Inputs(plan_arg, cluster, fplan, fplan.global_batch, fplan.micro_batch, fplan.seq_len)
 
 
-def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search, dry_run, log):
+def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search, dry_run, log,
+                      time_limit=None):
     """Trace the model, then plan it (search/uniform) or take the plan file; retrace at the
     plan's micro-batch if the search chose another. Also returns the calibration used."""
     mb_trace = inp.micro_batch or 1
@@ -211,7 +214,8 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
     plan = inp.plan or search_plan(inp.plan_arg, costs, inp.cluster,
                                    global_batch=inp.global_batch, micro_batch=inp.micro_batch,
                                    seq_len=inp.seq_len, schedule=schedule, search=search,
-                                   model_path=model_path, executable=not dry_run, calibration=cal)
+                                   model_path=model_path, executable=not dry_run, calibration=cal,
+                                   time_limit=time_limit, log=log)
     if plan.micro_batch != mb_trace:
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()
@@ -384,13 +388,15 @@ def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, 
 def compile_model(model_path: str, *, model_args: dict | None = None, cluster_arg: str = "local",
                   plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
                   seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
-                  schedule: str = "1f1b", search: str = "heuristic", log=print) -> BuildResult:
+                  schedule: str = "1f1b", search: str = "heuristic", log=print,
+                  time_limit: float | None = None) -> BuildResult:
     t0 = time.perf_counter()
     model_args = model_args or {}
     _check_output_dir(Path(out_dir))    # before capture: a bad -o fails in a second, not a minute
     inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
     cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, schedule=schedule,
-                                              search=search, dry_run=dry_run, log=log)
+                                              search=search, dry_run=dry_run, log=log,
+                                              time_limit=time_limit)
     cluster = inp.cluster
     out = _prepare_build_dir(out_dir, dry_run)
     log(f"building forward/backward programs for {len(plan.stages)} stage(s) "
@@ -470,11 +476,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0)
     ap.add_argument("--dry-run", action="store_true", help="programs and streams only, no weights")
     ap.add_argument("-o", "--output", default="build")
+    ap.add_argument("--time-limit", type=float, metavar="SECONDS",
+                    help="stop the plan search after SECONDS with the best plan found so far")
     a = ap.parse_args(argv)
     res = compile_model(a.model, model_args=parse_model_args(a.arg), cluster_arg=a.cluster,
                         plan_arg=a.plan, global_batch=a.global_batch, micro_batch=a.micro_batch,
                         seq_len=a.seq_len, out_dir=a.output, dry_run=a.dry_run, seed=a.seed,
-                        schedule=a.schedule, search=a.search)
+                        schedule=a.schedule, search=a.search, time_limit=a.time_limit)
     for st, p in zip(res.plan.stages, res.stages):
         print(f"  stage {p.index}: {st.chip} ({st.chips} chip(s), tp={st.tp}) layers "
               f"{p.layers[0]}..{p.layers[-1]}: {sum(1 for _ in p.fwd.nodes())} fwd / "

@@ -2,7 +2,8 @@
 
     h2c plan MODEL.py [--arg k=v ...] [--cluster C] [--plan auto|uniform|FILE.h2plan]
              [--search heuristic|exhaustive] [--global-batch N] [--micro-batch N] [--seq-len N]
-             [--schedule 1f1b|gpipe] [-o plan.h2plan] [--trace FILE] [--json] [--no-speedup]
+             [--schedule 1f1b|gpipe|auto] [--time-limit SECONDS] [-o plan.h2plan] [--trace FILE]
+             [--json] [--no-speedup]
 
 MODEL may also be a layer-cost JSON file (`h2c ir MODEL.py --json`), which skips tracing.
 The report: stages, chips, layers, memory per device against capacity, predicted step time
@@ -53,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                     metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
     ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
                     help="tokens per sequence (default: the model's maximum)")
-    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "auto"),
+                    help="pipeline schedule (auto: search 1f1b and gpipe)")
+    ap.add_argument("--time-limit", type=float, metavar="SECONDS",
+                    help="stop the search after SECONDS and take the best plan found so far")
     ap.add_argument("-o", "--output", help="write the plan as .h2plan text to FILE")
     ap.add_argument("--trace", help="write the predicted timeline as Chrome/Perfetto trace JSON")
     ap.add_argument("--json", action="store_true", help="machine-readable report on stdout")
@@ -214,13 +218,19 @@ def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
         uniform = None
     elif a.plan == "uniform":
         cand = uniform_plan(costs, cluster, inp.global_batch, inp.seq_len, a.micro_batch,
-                            a.schedule, calibration=cal)
+                            "1f1b" if a.schedule == "auto" else a.schedule, calibration=cal)
         uniform, warnings = cand, []
     else:
+        if a.time_limit is not None and not a.time_limit > 0:
+            raise H2Error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
         result = search(costs, cluster, inp.global_batch, seq_len=inp.seq_len,
                         micro_batch=a.micro_batch, schedule=a.schedule, method=a.search,
-                        calibration=cal)
-        cand, uniform, warnings = result.best, result.uniform, []
+                        calibration=cal, time_limit=a.time_limit)
+        cand, uniform = result.best, result.uniform
+        warnings = ([f"the --time-limit of {a.time_limit:g} s ran out: this is the best plan "
+                     f"found so far, not the search's optimum"] if result.timed_out else [])
+        if a.trace:        # the search times one tp rank per stage; the trace shows every rank
+            cand.sim = simulate(costs, cand.plan, cluster, cal)
     return _PlanChoice(cand, uniform, warnings, result, time.perf_counter() - t0)
 
 
@@ -230,7 +240,7 @@ def _hetero_speedup(a, inp: _PlanInputs, cand: Candidate):
     cluster = inp.cluster
     if a.no_speedup or len([c for c in cluster.chip_types if cluster.count(c)]) <= 1:
         return None
-    return hetero_speedup(inp.costs, cluster, cand, schedule=cand.plan.schedule,
+    return hetero_speedup(inp.costs, cluster, cand, schedule=a.schedule,
                           calibration=inp.calibration)
 
 
@@ -299,7 +309,9 @@ def _report_json(a, inp: _PlanInputs, choice: _PlanChoice, text: str, stages: li
         "uniform": _candidate_json(uniform) if uniform is not None else None,
         "search_time_s": choice.search_time_s,
         "search": ({"method": result.method, "configs_total": result.configs_total,
-                    "configs_searched": result.configs_searched, "dfs_nodes": result.dfs_nodes}
+                    "configs_searched": result.configs_searched, "dfs_nodes": result.dfs_nodes,
+                    "lines": result.lines, "simulations": result.simulations,
+                    "exact": result.exact, "timed_out": result.timed_out}
                    if result else None),
         "runner_ups": [_candidate_json(c) for c in result.runner_ups] if result else [],
     }
@@ -323,8 +335,12 @@ def format_report(r: dict) -> str:
     how = {"auto": f"HeteroAuto ({r['search']['method'] if r['search'] else ''})",
            "uniform": "uniform split"}.get(r["plan_mode"], f"from {r['plan_mode']}")
     s = r["search"]
-    out.append(f"plan: {how}" + (f", searched {s['configs_searched']:,} of {s['configs_total']:,} "
-                                 f"configurations x orders in {r['search_time_s']:.2f} s" if s else ""))
+    out.append(f"plan: {how}" + (f", {s['configs_searched']:,} of {s['configs_total']:,} "
+                                 f"configurations expanded, {s['lines']:,} lines, {s['simulations']} "
+                                 f"simulated in {r['search_time_s']:.2f} s"
+                                 + ("; TIME LIMIT reached: the best plan so far" if s["timed_out"]
+                                    else "" if s["exact"] else "; simulation budget spent")
+                                 if s else ""))
     out.append(f"batch: global {r['global_batch']}, micro {r['micro_batch']}, seq {r['seq_len']}; "
                f"dp {r['dp']}, {r['num_microbatches']} micro-batches per replica, {r['schedule']}")
     out.append("")
@@ -341,7 +357,7 @@ def format_report(r: dict) -> str:
                    f"{st['recompute']:<6} {_secs(st['fwd_s'] + st['bwd_s']):>11}  "
                    f"{mem:>17} {pct:3.0f}%")
     out.append("")
-    est = f" (closed-form estimate {_secs(r['estimate_s'])})" if r["estimate_s"] else ""
+    est = f" (search's lower bound {_secs(r['estimate_s'])})" if r["estimate_s"] else ""
     out.append(f"predicted step time {_secs(r['step_time_s'])}{est}: {r['tokens_per_s']:,.0f} tokens/s, "
                f"bubble {r['bubble_fraction'] * 100:.1f}%")
     mfu = "  ".join(f"{c} {v * 100:.1f}%" + (" (of measured matmul)" if r["rates"][c]["source"] == "measured" else "")
@@ -358,8 +374,9 @@ def format_report(r: dict) -> str:
                    f"{u['step_time_s'] / r['step_time_s']:.2f}x faster")
     sp = r["speedup"]
     if sp:
-        parts = ", ".join(f"{c} {h['tokens_per_s']:,.0f} tok/s (batch {h['global_batch']})" if h
-                          else f"{c} cannot train it alone" for c, h in sp["homogeneous"].items())
+        parts = ", ".join(f"{c} {h['tokens_per_s']:,.0f} tok/s (batch {h['global_batch']}: "
+                          f"{h['config']})" if h else f"{c} cannot train it alone"
+                          for c, h in sp["homogeneous"].items())
         ratio = f"{sp['ratio'] * 100:.2f}%" if sp["ratio"] else "n/a"
         out.append(f"HeteroSpeedupRatio {ratio}: throughput / sum of each chip type's best "
                    f"homogeneous throughput ({parts})")
