@@ -10,7 +10,6 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.planner.resource import analytic_llama_costs
 from h2ir.planner.search import Config, StageLine
 from h2ir.planner.simulate import simulate
-from h2ir.plans.plan import Plan, StagePlan
 
 GiB = 2 ** 30
 
@@ -73,7 +72,6 @@ def test_lower_bound_never_exceeds_the_simulated_step(seed):
 
 def test_lower_bound_is_tight_for_equal_stages():
     """Equal stages, free links: the bound is the textbook (m + S - 1)(f + b) + tail."""
-    rng = random.Random(0)
     x = ChipType("X", "cuda", "v", {"bf16": 1e14}, 1000 * GiB, 1e18, mem_reserved_bytes=0,
                  mem_fragmentation=0.0)
     cl = Cluster("t", {"X": x}, (NodeGroup("X", 1, 8, intra_bw=1e18, nic_bw=1e18, intra_latency=0,
@@ -85,7 +83,6 @@ def test_lower_bound_is_tight_for_equal_stages():
         rm, line, plan = line_and_plan(c, cl, [("X", 1)] * 4, [0, 2, 4, 6, 8], 1, 8, 1, schedule)
         sim = simulate(c, plan, cl, resource=rm)
         assert line.estimate([0, 2, 4, 6, 8])[0] == pytest.approx(sim.step_time_s, rel=1e-6)
-    del rng
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -1179,7 +1179,7 @@ class _Search:
     def configurations(self):
         L = len(self.costs.layers)
         too_many = 0
-        mn, mx_ = min(self.counts.values()), max(self.counts.values())
+        mx_ = max(self.counts.values())
         g = 0
         for n in self.counts.values():
             g = math.gcd(g, n)
