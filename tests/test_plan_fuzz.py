@@ -35,6 +35,7 @@ mem_bw_gbs = 10
 [chips.small]
 base = "A100-40"
 mem_gib = 0.05
+mem_reserved_gib = 0        # a deliberately tiny chip: no runtime headroom
 [[nodes]]
 chip = "big"
 count = 2
