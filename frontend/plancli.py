@@ -37,6 +37,9 @@ DEFAULT_CLUSTER = "local"
 _SEQ_ARGS = ("max_seq", "max_seq_len", "seq_len", "max_position_embeddings", "block_size")
 
 
+DEFAULT_GLOBAL_BATCH_MAX = 16384
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="h2c plan", description="Plan a model on a (heterogeneous) "
                                  "cluster with HeteroAuto, a uniform split, or a .h2plan file, "
@@ -49,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan", default="auto", metavar="auto|uniform|FILE.h2plan")
     ap.add_argument("--search", default="heuristic", choices=("heuristic", "exhaustive"))
     ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH),
-                    help="sequences per step (default: max(8, chips))")
+                    help="sequences per step (default: max(8, chips), at most 16384)")
     ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
                     metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
     ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
@@ -198,7 +201,11 @@ def _plan_inputs(a) -> _PlanInputs:
     mb_trace = given.micro_batch if given else (a.micro_batch or 1)
     costs = load_costs(a.model, args, mb_trace, seq_len)
     seq_len = seq_len or costs.seq_len
-    gb = a.global_batch or (given.global_batch if given else max(8, cluster.total_chips))
+    # default: one sequence per chip, at most DEFAULT_GLOBAL_BATCH_MAX (a batch that large is
+    # a deliberate choice, so it must be asked for; this also keeps the search's dp range, and so
+    # its work, bounded whatever the chip count)
+    gb = a.global_batch or (given.global_batch if given else
+                            max(8, min(cluster.total_chips, DEFAULT_GLOBAL_BATCH_MAX)))
     model_name = a.model if Path(a.model).suffix == ".py" else costs.model
     return _PlanInputs(given, cluster, cal, costs, seq_len, gb, model_name)
 

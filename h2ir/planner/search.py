@@ -40,7 +40,7 @@ import numpy as np
 
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
-from h2ir.errors import MAX_MICROBATCHES, H2Error
+from h2ir.errors import MAX_MICROBATCHES, MAX_WORKERS, H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
 from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
                                    attention_score_bytes, device_capacity, dtype_bytes,
@@ -1191,6 +1191,8 @@ class _Search:
                     if self.dp_options and dp not in self.dp_options:
                         continue
                     if dp > (mx_ if self.space.idle else g):
+                        continue
+                    if dp > MAX_WORKERS:          # a build holds at most MAX_WORKERS workers
                         continue
                     m = self.gb // (dp * mb)
                     if m > MAX_MICROBATCHES:

@@ -104,20 +104,29 @@ def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[
     pipeline stays inside a host when it fits, and a stage's TP ranks (consecutive ids) share
     one. A cluster with too few chips of a type (not a valid plan) wraps around. Hosts no
     worker uses are left out: the others are renumbered 0..N-1 in order."""
-    free: dict[str, list[int]] = {}
+    # per chip type, its node groups as (first host, chips per node, chips in the group): the
+    # k-th chip is found arithmetically, so the cost is in workers x groups, never in chips
+    segments: dict[str, list[tuple[int, int, int]]] = {}
     host = 0
     for g in cluster.groups:
-        for _ in range(g.nodes):
-            free.setdefault(g.chip, []).extend([host] * g.chips_per_node)
-            host += 1
+        segments.setdefault(g.chip, []).append((host, g.chips_per_node, g.nodes * g.chips_per_node))
+        host += g.nodes
+    total = {c: sum(n for _, _, n in segs) for c, segs in segments.items()}
     taken: dict[str, int] = {}
     hosts = []
     for w in range(layout.num_workers):
         chip = stage_chips[layout.where(w)[1]]
-        chips = free.get(chip) or [0]
         k = taken.get(chip, 0)
         taken[chip] = k + 1
-        hosts.append(chips[k % len(chips)])
+        if not total.get(chip):
+            hosts.append(0)
+            continue
+        k %= total[chip]
+        for first, per_node, n in segments[chip]:
+            if k < n:
+                hosts.append(first + k // per_node)
+                break
+            k -= n
     used = {h: i for i, h in enumerate(sorted(set(hosts)))}
     return [used[h] for h in hosts]
 
