@@ -918,16 +918,17 @@ def type_sequences(B: int, tps: list[int], L: int, space: PlanSpace, exact: bool
         for i, t1 in enumerate(tps):
             for t2 in (tps[:i] if exact else tps[max(0, i - 1):i]):
                 hmax = (B - t2) // t1
-                hs = range(1, hmax + 1) if exact else sorted({max(1, hmax * q // 4) for q in (1, 2, 3)})
+                # at most L stages: h beyond L can never give a line (and B may be 10^9 chips)
+                hs = range(1, min(hmax, L) + 1) if exact else \
+                    sorted({max(1, hmax * q // 4) for q in (1, 2, 3)})
                 for h in hs:
-                    if h > hmax:
+                    if h > hmax or h > L:
                         continue
                     rest = B - h * t1
                     if not space.idle and rest % t2:
                         continue
-                    seq = (t1,) * h + (t2,) * (rest // t2)
-                    if len(seq) <= L:
-                        out.append(seq)
+                    if h + rest // t2 <= L:       # checked before building the tuple
+                        out.append((t1,) * h + (t2,) * (rest // t2))
     return list(dict.fromkeys(out))
 
 
