@@ -17,7 +17,8 @@ from conftest import ROOT, run_cli
 from examples.testbed.netns import available
 
 OK, WHY = available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
+pytestmark = [pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}"),
+              pytest.mark.slow]    # ~80 s: `make test-slow`
 
 sys.path.insert(0, str(ROOT / "bench"))
 STEPS = 5
