@@ -50,3 +50,14 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# llama_tiny on the local cluster, two torch stages: the plan the executor and hostile suites share
+TINY_2STAGE_PLAN = """model    "examples/llama_tiny.py"
+cluster  "local"
+batch    global=4 micro=2 seq=32
+schedule 1f1b
+dp       1
+stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
+stage chip=cpu-torch chips=1 tp=1 layers=1, head
+"""

@@ -9,20 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_pids, pid_alive, run_cli
+from conftest import ROOT, TINY_2STAGE_PLAN, child_pids, pid_alive, run_cli
 
 STEPS = 20
 COMMON = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "n_layers=2",
           "--arg", "max_seq=64"]
 
-PLAN_TT = """model    "examples/llama_tiny.py"
-cluster  "local"
-batch    global=4 micro=2 seq=32
-schedule 1f1b
-dp       1
-stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
-stage chip=cpu-torch chips=1 tp=1 layers=1, head
-"""
+PLAN_TT = TINY_2STAGE_PLAN
 
 
 PLAN_DP = """model    "examples/llama_tiny.py"

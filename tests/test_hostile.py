@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import ROOT, child_pids, pid_alive, run_cli
+from conftest import ROOT, TINY_2STAGE_PLAN, child_pids, pid_alive, run_cli
 from executor import dicomm
 from executor.dicomm import handshake
 from executor.dicomm.checksum import digest as payload_digest
@@ -399,14 +399,7 @@ def test_fuzz_link_receiver(messages):
 
 # -- a default run listens on loopback only --------------------------------------------------------
 
-RUN_PLAN = """model    "examples/llama_tiny.py"
-cluster  "local"
-batch    global=4 micro=2 seq=32
-schedule 1f1b
-dp       1
-stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
-stage chip=cpu-torch chips=1 tp=1 layers=1, head
-"""
+RUN_PLAN = TINY_2STAGE_PLAN
 
 
 def _descendants(pid: int) -> set[int]:
