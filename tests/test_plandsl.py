@@ -202,7 +202,7 @@ stage chip=Chip-A chips=32 tp=8 recompute=full layers=embed, 0..17
 stage chip=Chip-B chips=32 tp=8 recompute=none layers=18..40
 stage chip=Chip-C chips=32 tp=8 recompute=none layers=41..80
 stage chip=Chip-D chips=32 tp=8 recompute=none layers=81..95, head
-moe ep=4 placement=balanced a2a=halo migration=periodic(100)
+moe ep=4 placement=balanced a2a=halo migration=periodic(100) capacity=none threshold=1.3
 """
 
 

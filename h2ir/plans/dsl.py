@@ -8,9 +8,10 @@
     dp       4
     stage chip=Chip-A chips=32 tp=8 recompute=full layers=embed, 0..17
     stage chip=Chip-B chips=32 tp=8 recompute=none layers=18..95, head
-    moe ep=4 placement=balanced a2a=halo migration=periodic(100)
+    moe ep=4 placement=balanced a2a=halo migration=periodic(100) capacity=1.25 threshold=1.3
 
-`format_plan` prints the canonical form (the layout above, every option spelled out), and
+A stage may set its own expert-parallel degree (`stage ... ep=2`); without it the moe section's
+`ep` applies. `format_plan` prints the canonical form (the layout above, every option spelled out), and
 `parse_plan(format_plan(p)) == p` for every plan that parses. Source positions are kept out of
 equality: StagePlan.line / MoEPlan.line and Plan.locations ('stage.1.tp' -> (line, column)) let
 h2ir/planner/validate.py point its errors at the text.
@@ -82,13 +83,26 @@ def format_plan(plan: Plan) -> str:
         f"dp       {plan.dp}",
     ]
     for s in plan.stages:
-        out.append(f"stage chip={_name_or_quote(s.chip)} chips={s.chips} tp={s.tp} "
+        ep = f" ep={s.ep}" if s.ep is not None else ""
+        out.append(f"stage chip={_name_or_quote(s.chip)} chips={s.chips} tp={s.tp}{ep} "
                    f"recompute={s.recompute} layers={format_layers(s.layers)}")
     if plan.moe is not None:
         m = plan.moe
         migration = m.migration + (f"({m.migration_every})" if m.migration == "periodic" else "")
-        out.append(f"moe ep={m.ep} placement={m.placement} a2a={m.a2a} migration={migration}")
+        cap = "none" if m.capacity is None else format_factor(m.capacity)
+        thr = f" threshold={format_factor(m.threshold)}" if m.migration != "none" else ""
+        out.append(f"moe ep={m.ep} placement={m.placement} a2a={m.a2a} migration={migration} "
+                   f"capacity={cap}{thr}")
     return "\n".join(out) + "\n"
+
+
+def format_factor(x: float) -> str:
+    """A factor as the grammar's FACTOR reads it back to the same float: 1.25, 2.0."""
+    text = repr(float(x))
+    if "e" in text or "inf" in text or "nan" in text:
+        text = f"{float(x):.12f}".rstrip("0")
+        text += "0" if text.endswith(".") else ""
+    return text
 
 
 def format_layers(layers: list[str]) -> str:
@@ -205,7 +219,7 @@ class _PlanBuilder:
         for key, opt in self.options(stmt, prefix, "stage", got):
             if key == "chip":
                 got[key] = self.text(opt.children[0])
-            elif key in ("chips", "tp"):
+            elif key in ("chips", "tp", "ep"):
                 got[key] = self.positive(opt.children[0], key)
             elif key == "recompute":
                 got[key] = self.word(opt.children[0], RECOMPUTE, "recompute")
@@ -217,7 +231,7 @@ class _PlanBuilder:
                       + ", ".join(f"{k}=" for k in missing) + ")", stmt)
         return StagePlan(chip=got["chip"], chips=got["chips"], layers=got["layers"],
                          tp=got.get("tp", 1), recompute=got.get("recompute", "none"),
-                         line=stmt.meta.line)
+                         ep=got.get("ep"), line=stmt.meta.line)
 
     def options(self, stmt: Tree, prefix: str, what: str, got: dict):
         """(key, option) of a statement's `key=value` options, each located; an option already
@@ -280,9 +294,22 @@ class _PlanBuilder:
                     got["every"] = self.positive(every, "migration interval")
                 elif every is not None:
                     self.fail("migration=none takes no interval", every)
+            elif key == "capacity":
+                tok = opt.children[0]
+                got[key] = None if str(tok) == "none" else self.factor(tok, "capacity factor")
+            elif key == "threshold":
+                tok = opt.children[0]
+                if str(tok) == "none":
+                    self.fail("threshold needs a number (max/mean expert load), e.g. "
+                              "threshold=1.3", tok)
+                got[key] = self.factor(tok, "migration threshold")
+                if got[key] < 1.0:
+                    self.fail(f"migration threshold must be at least 1.0 (max/mean load), got "
+                              f"{tok}", tok)
         return MoEPlan(ep=got.get("ep", 1), placement=got.get("placement", "contiguous"),
                        a2a=got.get("a2a", "flat"), migration=got.get("migration", "none"),
-                       migration_every=got.get("every", 0), line=stmt.meta.line)
+                       migration_every=got.get("every", 0), capacity=got.get("capacity"),
+                       threshold=got.get("threshold", 1.3), line=stmt.meta.line)
 
     # -- leaves
 
@@ -292,6 +319,14 @@ class _PlanBuilder:
             self.fail(f"number {tok[:24]}{'...' if len(tok) > 24 else ''} is too large "
                       f"(at most 10^18)", tok)
         return int(tok)
+
+    def factor(self, tok: Token, what: str) -> float:
+        if len(tok) > 24:
+            self.fail(f"{what} {tok[:24]}... is too long a number", tok)
+        v = float(tok)
+        if not 0 < v <= 1e6:
+            self.fail(f"{what} must be a positive number up to 10^6, got {tok}", tok)
+        return v
 
     def positive(self, tok: Token, what: str) -> int:
         v = self.number(tok)

@@ -30,6 +30,7 @@ class StagePlan:
     layers: list[str]
     tp: int = 1
     recompute: str = "none"
+    ep: int | None = None            # expert-parallel degree of this stage (None: the moe section's)
     # source line in the .h2plan file (0: not from a file); not part of the plan's meaning
     line: int = field(default=0, compare=False)
 
@@ -41,6 +42,10 @@ class MoEPlan:
     a2a: str = "flat"
     migration: str = "none"
     migration_every: int = 0         # steps between migrations when migration == 'periodic'
+    # tokens an expert takes per micro-batch: ceil(capacity * tokens * top_k / experts); None:
+    # every token (no token is ever dropped; buffers hold tokens x top_k rows per expert)
+    capacity: float | None = None
+    threshold: float = 1.3           # migrate when max/mean expert load across EP ranks exceeds it
     line: int = field(default=0, compare=False)
 
 
@@ -75,6 +80,15 @@ class Plan:
 
     def worker(self, replica: int, stage: int) -> int:
         return replica * len(self.stages) + stage
+
+    def stage_ep(self, stage: int) -> int:
+        """Expert-parallel degree of stage `stage`: its own `ep=`, else the moe section's, else 1.
+        An EP group is made of `ep` data-parallel replicas of the stage (expert-data
+        parallelism: each replica routes its own tokens), so ep divides dp."""
+        own = self.stages[stage].ep
+        if own is not None:
+            return own
+        return self.moe.ep if self.moe is not None else 1
 
     def stage_of_layer(self, layer: str) -> int:
         for i, s in enumerate(self.stages):
