@@ -32,6 +32,7 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
+from h2ir.planner import alltoall
 from h2ir.schedule.streams import WorkerLayout, worker_hosts
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -227,10 +228,10 @@ class LayerArrays:
         self.names = [l.name for l in self.layers]
         self._dev: dict = {}
 
-    def device(self, tp: int, ep: int = 1) -> "DeviceArrays":
-        key = (tp, ep)
+    def device(self, tp: int, ep: int = 1, capacity: float | None = None) -> "DeviceArrays":
+        key = (tp, ep, capacity)
         if key not in self._dev:
-            self._dev[key] = DeviceArrays(self, tp, ep)
+            self._dev[key] = DeviceArrays(self, tp, ep, capacity)
         return self._dev[key]
 
 
@@ -241,15 +242,18 @@ def _prefix(x: np.ndarray) -> list:
 class DeviceArrays:
     """Per-device memory arrays for TP degree `tp` and expert-parallel degree `ep`."""
 
-    def __init__(self, la: LayerArrays, tp: int, ep: int):
+    def __init__(self, la: LayerArrays, tp: int, ep: int, capacity: float | None = None):
         self.tp, self.ep = tp, ep
         # Dense parameters split over TP (Megatron-LM, Shoeybi et al. 2019 Sec. 3); experts split
         # over EP (Piper: expert state / EP).
         self.params = la.dense_params / tp + la.expert_params / ep
         # Activations: Korthikanti et al. 2022 ("Reducing activation recomputation") Sec. 4.2.2 —
         # with tensor + sequence parallelism every activation term of a block divides by t;
-        # routed-expert activations divide by EP instead (Piper).
-        self.act = (la.act - la.expert_act) / tp + la.expert_act / ep
+        # routed-expert activations divide by EP instead (Piper). With a capacity factor F
+        # (`moe capacity=F`) every expert's buffer is padded to F x its even share of the
+        # routed tokens (GShard, Lepikhin et al. 2020 Sec. 2.2), so the term scales by F; without
+        # one (no token dropped) it is the even share, Piper's k/EP.
+        self.act = (la.act - la.expert_act) / tp + la.expert_act * (capacity or 1.0) / ep
         self.out = la.out / tp
         self.P_params = _prefix(self.params)
         self.P_act = _prefix(self.act)
@@ -299,8 +303,8 @@ def stage_layer_range(plan: Plan, stage_index: int, names: list[str]) -> tuple[i
     return a, b
 
 
-def _ep_of(plan: Plan) -> int:
-    return plan.moe.ep if plan.moe else 1
+def _capacity_of(plan: Plan) -> float | None:
+    return getattr(plan.moe, "capacity", None) if plan.moe else None
 
 
 @lru_cache(maxsize=64)
@@ -320,7 +324,7 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
     la = layer_arrays(costs, plan, cluster)
     st = plan.stages[stage_index]
     a, b = stage_layer_range(plan, stage_index, la.names)
-    dev = la.device(st.tp, _ep_of(plan))
+    dev = la.device(st.tp, plan.stage_ep(stage_index), _capacity_of(plan))
     if inflight is None:
         inflight = inflight_microbatches(plan.schedule, stage_index, plan.num_stages,
                                          plan.num_microbatches)
@@ -453,6 +457,55 @@ def _hockney(nbytes: float, link: tuple[float, float]) -> float:
     return link[0] + nbytes / link[1] if nbytes > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class EPGeometry:
+    """How one stage's expert-parallel groups lie on hosts: `per_node` members of a group per
+    host (the busiest), `nodes` hosts per group, and `nic_share`, the fraction of a host's NICs
+    one group's members get while every EP group of the stage on that host runs its
+    all-to-all at once (the dp / ep groups of a stage are in lock step)."""
+    ep: int
+    per_node: int
+    nodes: int = 1
+    nic_share: float = 1.0
+
+    @property
+    def local(self) -> bool:
+        return self.nodes <= 1
+
+
+def ep_groups(layout: WorkerLayout, stage: int, ep: int, rank: int = 0) -> list[tuple[int, ...]]:
+    """The expert-parallel groups of `stage` (TP rank `rank`): group b is replicas
+    b*ep .. b*ep+ep-1 of the stage (the compiler's rule: EP is carved out of dp, Plan.stage_ep)."""
+    if ep < 1 or layout.dp % ep:
+        raise H2Error(f"ep={ep} does not divide dp={layout.dp}")
+    return [tuple(layout.wid(q, stage, rank) for q in range(b * ep, (b + 1) * ep))
+            for b in range(layout.dp // ep)]
+
+
+def default_ep_geometry(g: NodeGroup, ep: int, tp: int) -> EPGeometry:
+    """Without a placement: consecutive replicas, chips_per_node // tp of them per node."""
+    geo = replica_geometry(g, ep, tp)
+    return EPGeometry(ep=ep, per_node=geo.per_node, nodes=geo.nodes,
+                      nic_share=min(1.0, geo.per_node * tp / g.chips_per_node))
+
+
+def moe_a2a_pass_time(costs: ModelCosts, moe: MoEInfo, g: NodeGroup, tp: int, ep: int, a2a: str,
+                      geo: EPGeometry, capacity: float | None, bpe: int) -> float:
+    """One pass (forward or backward) of one MoE layer's expert parallelism: a dispatch and a
+    combine all-to-all (GShard, Lepikhin et al. 2020 Sec. 2.2; the backward runs the same two
+    on the gradients), each rank sending its routed tokens' hidden states, b*s*k*d elements,
+    / tp (each TP rank routes its sequence shard), x the capacity factor when buffers are
+    padded to it. Time from `h2ir.planner.alltoall` (DiComm's flat or HALO algorithm) over the
+    hosts the group occupies: `geo.per_node` ranks per node sharing `geo.nic_share` of the NICs."""
+    if ep <= 1:
+        return 0.0
+    nbytes = costs.micro_batch * costs.seq_len * moe.top_k * moe.d_model * bpe / tp * (capacity or 1.0)
+    topo = alltoall.topology_of(g, ranks_per_node=max(1, geo.per_node),
+                                nic_bw=g.nic_bw * max(1e-9, geo.nic_share))
+    fn = alltoall.halo_time if a2a == "halo" else alltoall.flat_time
+    return 2 * fn(nbytes, ep, topo)
+
+
 class LinePlacement:
     """Where the workers of one line of stages run, and what that makes each link cost.
 
@@ -533,6 +586,37 @@ class LinePlacement:
                 bw = min(bw, self._nic(ha) / self.ring_flows[ha], self._nic(hb) / self.ring_flows[hb])
                 lat = max(lat, g.inter_latency)
         return ring_allreduce_time(nbytes, n, bw, lat)
+
+    def ep_geometry(self, j: int, ep: int) -> EPGeometry:
+        """Stage j's EP groups (`ep_groups`, every TP rank) on this line's hosts: the most
+        hosts one group spans, the most members it has on one host, and its share of that
+        host's NICs (its members there over the stage's workers there)."""
+        key = (j, ep)
+        cache = self.__dict__.setdefault("_ep_geo", {})
+        if key in cache:
+            return cache[key]
+        lay = self.layout
+        tp = lay.tps[j]
+        stage_on = {}
+        for r in range(lay.dp):
+            for w in lay.tp_group(r, j):
+                stage_on[self.hosts[w]] = stage_on.get(self.hosts[w], 0) + 1
+        nodes, per_node, share = 1, 1, 1.0
+        for k in range(tp):
+            for grp in ep_groups(lay, j, ep, k):
+                on: dict = {}
+                for w in grp:
+                    on[self.hosts[w]] = on.get(self.hosts[w], 0) + 1
+                nodes = max(nodes, len(on))
+                per_node = max(per_node, max(on.values()))
+                if len(on) > 1:
+                    share = min(share, min(n / stage_on[h] for h, n in on.items()))
+        cache[key] = EPGeometry(ep=ep, per_node=per_node, nodes=nodes, nic_share=share)
+        return cache[key]
+
+    def ep_local(self, j: int, ep: int) -> bool:
+        """Every EP group of stage j (every TP rank) inside one host."""
+        return ep <= 1 or self.ep_geometry(j, ep).local
 
     @property
     def crossing(self) -> dict:
@@ -678,10 +762,13 @@ class ResourceModel:
         return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len)
 
     def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat",
-                    tp_estimate: bool = True) -> LayerTimes:
+                    tp_estimate: bool = True, ep_geo: "EPGeometry | None" = None,
+                    capacity: float | None = None) -> LayerTimes:
         """`tp_estimate=False` leaves out the per-layer TP all-reduce estimate (the caller adds
-        the stage programs' own collectives instead: `stage_times(program_comm=...)`)."""
-        key = (chip, tp, ep, a2a, tp_estimate)
+        the stage programs' own collectives instead: `stage_times(program_comm=...)`). `ep_geo`:
+        how the stage's EP groups lie on hosts (`LinePlacement.ep_geometry`); None: node-local
+        when ep x tp fits a node, else spread as `replica_geometry` says."""
+        key = (chip, tp, ep, a2a, tp_estimate, ep_geo, capacity)
         if key in self._times:
             return self._times[key]
         r = self.rates(chip)
@@ -720,14 +807,9 @@ class ResourceModel:
                 n_ar = 2 if la.is_block[i] else (1 if la.is_embed[i] else 0)
                 comm += n_ar * tp_allreduce_time(la.out[i], g, tp)
             if l.moe is not None and ep > 1:
-                # dispatch + combine all-to-all per pass of the routed tokens' hidden states
-                # (b*s*k*d elements) among the EP group (GShard, Lepikhin et al. 2020 Sec. 2.2).
-                nbytes = (self.costs.micro_batch * self.costs.seq_len * l.moe.top_k * l.moe.d_model
-                          * dtype_bytes(self.cluster.dtype) / tp)
-                geo = replica_geometry(g, ep, tp)
-                fn = all_to_all_halo_time if a2a == "halo" else all_to_all_flat_time
-                comm += 2 * fn(nbytes, ep, geo.per_node, g.intra_bw, nic_share(g),
-                               g.intra_latency, g.inter_latency)
+                comm += moe_a2a_pass_time(self.costs, l.moe, g, tp, ep, a2a,
+                                          ep_geo or default_ep_geometry(g, ep, tp), capacity,
+                                          dtype_bytes(self.cluster.dtype))
             fwd.append(f_c + comm)
             bwd.append(b_c + comm)
         f = np.array(fwd)
@@ -739,8 +821,9 @@ class ResourceModel:
 
     # -- one stage ---------------------------------------------------------------------------
     def compute_times(self, chip: str, tp: int, a: int, b: int, recompute: str, ep: int = 1,
-                      a2a: str = "flat", tp_estimate: bool = True) -> tuple[float, float]:
-        lt = self.layer_times(chip, tp, ep, a2a, tp_estimate)
+                      a2a: str = "flat", tp_estimate: bool = True, ep_geo=None,
+                      capacity: float | None = None) -> tuple[float, float]:
+        lt = self.layer_times(chip, tp, ep, a2a, tp_estimate, ep_geo, capacity)
         f = lt.fwd[b] - lt.fwd[a]
         bw = (lt.bwd_rc if recompute == "full" else lt.bwd)
         return f, bw[b] - bw[a]
@@ -795,16 +878,19 @@ class ResourceModel:
         per block) with the programs' own."""
         S = plan.num_stages
         st = plan.stages[j]
-        ep = _ep_of(plan)
+        ep = plan.stage_ep(j)
         a2a = plan.moe.a2a if plan.moe else "flat"
         a, b = stage_layer_range(plan, j, self.la.names)
+        # links as the build's hosts give them (LinePlacement: worker_hosts, shared NICs)
+        place = self.plan_placement(plan)
+        # the all-to-all over the hosts the stage's EP groups really occupy
+        geo = place.ep_geometry(j, ep) if ep > 1 and plan.dp % ep == 0 else None
         f, bw = self.compute_times(st.chip, st.tp, a, b, st.recompute, ep, a2a,
-                                   tp_estimate=program_comm is None)
+                                   tp_estimate=program_comm is None, ep_geo=geo,
+                                   capacity=_capacity_of(plan))
         if program_comm is not None:
             f += self.program_comm_time(st.chip, program_comm[0])
             bw += self.program_comm_time(st.chip, program_comm[1])
-        # links as the build's hosts give them (LinePlacement: worker_hosts, shared NICs)
-        place = self.plan_placement(plan)
         send_act = send_grad = 0.0
         if j + 1 < S:
             send_act = _hockney(self.boundary_bytes(b), place.boundary(j))
@@ -813,6 +899,8 @@ class ResourceModel:
         return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
                           dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep,
                                                                 place, j),
+                          # (expert gradients ring over all dp replicas here, not the dp / ep
+                          # that hold the same experts: an over-estimate of their share)
                           opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep),
                           tied_s=self.tied_time(plan, j))
 
@@ -868,6 +956,55 @@ def analytic_llama_costs(name: str, n_layers: int, d_model: int, n_heads: int, f
                                 fwd_flops=f, bwd_flops=2 * f, act_saved_bytes=act,
                                 out_bytes=tok * d * dtype_bytes,
                                 moe=dataclasses.replace(moe, expert_params=3 * d * moe.d_ffn) if moe else None))
+    ph = vocab * d + d
+    layers.append(LayerCost("head", "head", params=ph, param_bytes=ph * dtype_bytes,
+                            fwd_flops=2 * tok * d * vocab, bwd_flops=4 * tok * d * vocab,
+                            act_saved_bytes=tok * (d + vocab) * dtype_bytes,
+                            out_bytes=tok * vocab * dtype_bytes))
+    return ModelCosts(model=name, micro_batch=b, seq_len=s, layers=tuple(layers), d_model=d,
+                      n_heads=n_heads, vocab=vocab, dtype_bytes=dtype_bytes)
+
+
+def analytic_moe_costs(name: str, n_layers: int, d_model: int, n_heads: int, vocab: int,
+                       seq_len: int, moe: MoEInfo, *, attn_params: int, dense_layers: int = 0,
+                       dense_ffn: int = 0, shared_experts: int = 0, micro_batch: int = 1,
+                       dtype_bytes: int = 2) -> ModelCosts:
+    """Layer costs of a MoE decoder from its architecture's shapes, for models too large to trace
+    quickly on the meta device (a 256-expert model is 15,000 expert modules).
+
+    Each block: attention with `attn_params` projection parameters (GQA or MLA: whatever the
+    architecture's projections hold; forward 2 FLOPs per parameter per token) plus the scores
+    and values, 4*s*d per token (as `analytic_llama_costs`); then either a dense SwiGLU FFN of
+    width `dense_ffn` (the first `dense_layers` blocks, DeepSeek-V3's first three) or a router
+    (d*E) with `moe.num_experts` routed SwiGLU experts of width moe.d_ffn, top moe.top_k per
+    token, plus `shared_experts` experts every token visits (DeepSeek-V3 Sec. 2.1.2; they are
+    dense parameters: EP does not divide them). Backward = 2x forward (Narayanan et al. SC'21
+    Sec. 5.1). Saved activations per token: 14*d for attention and norms (the LLaMA count of
+    `analytic_llama_costs`), 4*ffn for a dense FFN, k*(3*f + d) for the routed experts (Piper's
+    expert-activation term) and the same per shared expert. Embedding and head are untied."""
+    b, s, d = micro_batch, seq_len, d_model
+    tok = b * s
+    f, E, k = moe.d_ffn, moe.num_experts, moe.top_k
+    e_params = 3 * d * f
+    info = dataclasses.replace(moe, expert_params=e_params)
+    layers = [LayerCost("embed", "embedding", params=vocab * d, param_bytes=vocab * d * dtype_bytes,
+                        fwd_flops=0, bwd_flops=0, act_saved_bytes=tok * 8,
+                        out_bytes=tok * d * dtype_bytes)]
+    attn_f = 2 * attn_params + 4 * s * d
+    for i in range(n_layers):
+        if i < dense_layers:
+            p = attn_params + 3 * d * dense_ffn + 2 * d
+            fl = tok * (attn_f + 6 * d * dense_ffn)
+            act = tok * (14 * d + 4 * dense_ffn) * dtype_bytes
+            kind, mi = "transformer_block", None
+        else:
+            p = attn_params + d * E + (E + shared_experts) * e_params + 2 * d
+            fl = tok * (attn_f + 2 * d * E + 6 * d * f * (k + shared_experts))
+            act = tok * (14 * d + (k + shared_experts) * (3 * f + d)) * dtype_bytes
+            kind, mi = "moe_block", info
+        layers.append(LayerCost(f"block.{i}", kind, params=p, param_bytes=p * dtype_bytes,
+                                fwd_flops=fl, bwd_flops=2 * fl, act_saved_bytes=act,
+                                out_bytes=tok * d * dtype_bytes, moe=mi))
     ph = vocab * d + d
     layers.append(LayerCost("head", "head", params=ph, param_bytes=ph * dtype_bytes,
                             fwd_flops=2 * tok * d * vocab, bwd_flops=4 * tok * d * vocab,
