@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 import msgpack
 import numpy as np
 
-from executor.dicomm import handshake, rdma, shm
+from executor.dicomm import halo, handshake, rdma, shm
 from executor.dicomm.errors import CommError
 from executor.dicomm.frame import contiguous, dtype_name, from_bf16, make_header, to_bf16
 from executor.dicomm.link import Frame, PeerFinished, StreamReceiver, StreamSender
@@ -275,13 +275,23 @@ class Comm:
                             f"members passed different arrays)", left)
         return got
 
-    def all_to_all(self, arrays: list[np.ndarray], group: list[int]) -> list[np.ndarray]:
-        """arrays[i] goes to group[i]; returns outs with outs[i] received from group[i]."""
+    def all_to_all(self, arrays: list[np.ndarray], group: list[int], *, algo: str = "flat",
+                   hosts=None) -> list[np.ndarray]:
+        """arrays[i] goes to group[i]; returns outs with outs[i] received from group[i].
+
+        algo="halo" with hosts (host id of each group member, e.g. the manifest's
+        workers[i].host) aggregates inter-host traffic per node pair (executor/dicomm/halo.py);
+        without hosts, or with every member on one host, it is the flat exchange."""
         group = self._check_group(group)
         if len(arrays) != len(group):
             raise ValueError(f"all_to_all needs one array per group member: {len(arrays)} arrays "
                              f"for {len(group)} ranks")
+        if algo not in ("flat", "halo"):
+            raise ValueError(f"all_to_all algo must be 'flat' or 'halo', got {algo!r}")
+        layout = halo.plan(group, hosts)     # checks hosts also for flat: one per member
         kind = f"all_to_all#{self._next_seq('all_to_all', group)}"
+        if algo == "halo" and layout is not None:
+            return halo.all_to_all(self, arrays, group, layout, kind)
         r = group.index(self.rank)
         order = [group[(r + k) % len(group)] for k in range(1, len(group))]  # spread the load
         for peer in order:
