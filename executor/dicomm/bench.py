@@ -8,6 +8,15 @@ host, beside memcpy (numpy copy of the same size, measured in the same run) as t
 The receiver uses recv(view=True), so on shm it reads the sender's segment in place (digest-checked)
 and the sender's one copy into the segment is the only copy. H2 (arXiv 2505.17548) reports its
 device-direct RDMA path at 9.94x lower latency than TCP/IP; the shm/tcp ratio is printed beside it.
+
+`--collective all_to_all` instead times `Comm.all_to_all` over `--ranks` processes, flat and HALO
+(arXiv 2605.05049) alternating, with `--hosts` giving each rank's host id (e.g. 0,0,1,1). Here all
+processes run on this host, so the host ids are logical (every link is shm); bench/bench_halo.py
+runs the same workers on the emulated 2-host test bed, where they are not.
+
+    size       bytes each rank sends to each other rank (float32 array), per call
+    time       best over --runs of the mean of --iters back-to-back calls, between barriers
+    bandwidth  (ranks - 1) x size / time: what one rank sends to the others per second
 """
 from __future__ import annotations
 
@@ -31,10 +40,29 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--transport", choices=["tcp", "shm", "rdma", "all"], default="all")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--max-size", type=int, default=SIZES[-1],
-                        help="largest message in bytes (default 64 MiB)")
+                        help="largest message in bytes (default 64 MiB; all_to_all: 4 MiB per "
+                             "destination)")
     parser.add_argument("--worker", nargs=3, metavar=("RANK", "STORE_PORT", "TRANSPORTS"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--collective", choices=["p2p", "all_to_all"], default="p2p",
+                        help="p2p: latency/bandwidth per transport (default); all_to_all: flat "
+                             "vs HALO all-to-all over --ranks processes")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="all_to_all: processes (default: one per --hosts entry, else 4)")
+    parser.add_argument("--hosts", default=None,
+                        help="all_to_all: host id of each rank, comma-separated (default: "
+                             "ranks split over 2 hosts, e.g. 0,0,1,1)")
+    parser.add_argument("--min-size", type=int, default=A2A_SIZES[0],
+                        help="all_to_all: smallest per-destination message in bytes")
+    parser.add_argument("--iters", type=int, default=5, help="all_to_all: calls per timing")
+    parser.add_argument("--runs", type=int, default=3, help="all_to_all: timings per size (best)")
+    parser.add_argument("--a2a-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.a2a_worker:
+        a2a_worker(json.loads(args.a2a_worker))
+        return 0
+    if args.collective == "all_to_all":
+        return _all_to_all_main(parser, args)
     sizes = [s for s in SIZES if s <= args.max_size] or SIZES[:1]
     if args.worker:
         rank, port, transports = int(args.worker[0]), int(args.worker[1]), args.worker[2]
@@ -53,6 +81,180 @@ def bench_main(argv: list[str]) -> int:
         return 2
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
+
+
+A2A_SIZES = [1024 * 4 ** k for k in range(7)]     # 1 KiB ... 4 MiB per destination
+
+
+def _all_to_all_main(parser, args) -> int:
+    from executor.dicomm.errors import CommError
+    try:
+        hosts = parse_hosts(args.hosts, args.ranks)
+    except ValueError as e:
+        print(f"h2x bench-comm: error: argument --hosts: {e}", file=sys.stderr)
+        return 2
+    max_size = args.max_size if args.max_size != SIZES[-1] else A2A_SIZES[-1]
+    sizes = [s for s in A2A_SIZES if args.min_size <= s <= max_size] or [args.min_size]
+    try:
+        result = run_all_to_all(hosts, sizes, iters=args.iters, runs=args.runs)
+    except CommError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_all_to_all(result))
+    return 0
+
+
+def parse_hosts(text: str | None, ranks: int | None) -> list[int]:
+    """--hosts "0,0,1,1" -> [0, 0, 1, 1]; default: `ranks` (4) split over 2 hosts."""
+    if text is None:
+        n = ranks or 4
+        if n < 2:
+            raise ValueError(f"all_to_all needs at least 2 ranks, got {n}")
+        return [2 * i // n for i in range(n)]
+    try:
+        hosts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expected comma-separated host ids such as 0,0,1,1, got {text!r}") \
+            from None
+    if ranks is not None and ranks != len(hosts):
+        raise ValueError(f"{len(hosts)} host ids for --ranks {ranks}: give one per rank")
+    if len(hosts) < 2:
+        raise ValueError("all_to_all needs at least 2 ranks")
+    return hosts
+
+
+def run_all_to_all(hosts: list[int], sizes: list[int], iters: int = 5, runs: int = 3,
+                   timeout: float = 600.0) -> dict:
+    """Spawn one process per rank on this host, time flat and HALO all-to-all; rank 0's figures."""
+    from executor.dicomm.errors import CommError
+    from executor.dicomm.handshake import new_secret
+    from executor.dicomm.rendezvous import host_store
+
+    store = host_store()
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, H2_SECRET=new_secret(), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    load_before = os.getloadavg()[0]
+    spec = {"world": len(hosts), "hosts": hosts, "sizes": sizes, "iters": iters, "runs": runs,
+            "store_host": "127.0.0.1", "port": store.port, "listen": "127.0.0.1",
+            "transport": "shm"}
+    procs = [subprocess.Popen([sys.executable, "-m", "executor.dicomm.bench", "--a2a-worker",
+                               json.dumps(dict(spec, rank=r))], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True)
+             for r in range(len(hosts))]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise CommError(f"bench-comm all_to_all workers did not finish within {timeout:g} s") \
+            from None
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise CommError(f"bench-comm all_to_all worker {rank} failed (exit {p.returncode}):\n"
+                            + "\n".join(err.strip().splitlines()[-15:]))
+    result = json.loads(outputs[0][0])
+    result.update(cpus=os.cpu_count(), load_average_before=load_before,
+                  load_average_after=os.getloadavg()[0], where="processes on this host (shm)")
+    return result
+
+
+def a2a_worker(spec: dict) -> None:
+    """One rank of the all-to-all benchmark (also started inside test bed namespaces by
+    bench/bench_halo.py). spec: rank, world, hosts, sizes, iters, runs, store_host, port, listen,
+    transport, and optional calibrate (point-to-point latency/bandwidth from rank 0 to a peer
+    on its host and one on another, for the cost model). Rank 0 prints the JSON result."""
+    from executor.dicomm.comm import connect
+
+    rank, world, hosts = spec["rank"], spec["world"], spec["hosts"]
+    comm = connect(rank, world, spec["store_host"], spec["port"], transport=spec["transport"],
+                   timeout=120.0, host=spec["listen"], namespace="bench-a2a")
+    group = list(range(world))
+    out = {"hosts": hosts, "sizes": spec["sizes"], "iters": spec["iters"], "runs": spec["runs"],
+           "flat_s": [], "halo_s": []}
+    for algo in ("flat", "halo"):      # open every link before timing
+        comm.all_to_all([np.zeros(1, np.float32)] * world, group, algo=algo, hosts=hosts)
+    for size in spec["sizes"]:
+        arrays = [np.full(max(1, size // 4), rank, np.float32) for _ in group]
+        best = {"flat": float("inf"), "halo": float("inf")}
+        for _ in range(spec["runs"]):
+            for algo in best:          # alternate, so both see the same machine load
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(spec["iters"]):
+                    comm.all_to_all(arrays, group, algo=algo, hosts=hosts)
+                comm.barrier()
+                best[algo] = min(best[algo], (time.perf_counter() - t0) / spec["iters"])
+        out["flat_s"].append(best["flat"])
+        out["halo_s"].append(best["halo"])
+    if spec.get("calibrate"):
+        out["calibration"] = _calibrate(comm, rank, hosts, spec["calibrate"])
+    out["links"] = comm.links()
+    comm.barrier()
+    comm.close()
+    if rank == 0:
+        print(json.dumps(out))
+
+
+def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
+    """Latency (median half round trip of a `latency_bytes` message) and bandwidth (one-way
+    stream of `stream_bytes` messages, best of 3) from rank 0 to the first rank on its host and
+    the first on another: the alpha and beta terms of the cost model, measured here."""
+    peers = {"intra": next((r for r in range(1, len(hosts)) if hosts[r] == hosts[0]), None),
+             "inter": next((r for r in range(1, len(hosts)) if hosts[r] != hosts[0]), None)}
+    small = np.zeros(max(1, sizes["latency_bytes"] // 4), np.float32)
+    big = np.zeros(max(1, sizes["stream_bytes"] // 4), np.float32)
+    count = sizes.get("stream_count", 8)
+    got = {}
+    for name, peer in peers.items():
+        if peer is None:
+            continue
+        if rank == 0:
+            times = []
+            for i in range(23):
+                t0 = time.perf_counter()
+                comm.send(peer, small, kind=f"cal-{name}-ping", mb=i)
+                comm.recv(peer, kind=f"cal-{name}-pong", mb=i)
+                times.append(time.perf_counter() - t0)
+            best = 0.0
+            for rep in range(3):
+                t0 = time.perf_counter()
+                for i in range(count):
+                    comm.send(peer, big, kind=f"cal-{name}-bw{rep}", mb=i)
+                comm.recv(peer, kind=f"cal-{name}-done", mb=rep)
+                best = max(best, count * big.nbytes / (time.perf_counter() - t0))
+            got[name] = {"peer": peer, "latency_s": float(np.median(times[3:])) / 2,
+                         "bandwidth_Bps": best}
+        elif rank == peer:
+            for i in range(23):
+                comm.send(0, comm.recv(0, kind=f"cal-{name}-ping", mb=i),
+                          kind=f"cal-{name}-pong", mb=i)
+            for rep in range(3):
+                for i in range(count):
+                    comm.recv(0, kind=f"cal-{name}-bw{rep}", mb=i, view=True)
+                comm.release()
+                comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-done", mb=rep)
+        comm.barrier()
+    return got
+
+
+def format_all_to_all(result: dict) -> str:
+    n = len(result["hosts"])
+    lines = [f"h2x bench-comm --collective all_to_all: {n} ranks, hosts {result['hosts']} "
+             f"({result.get('where', '')}; {result.get('cpus', '?')} CPUs, 1-min load average "
+             f"{result.get('load_average_before', 0):.1f} before, "
+             f"{result.get('load_average_after', 0):.1f} after)",
+             f"time = best of {result['runs']} means of {result['iters']} calls (ms); bandwidth = "
+             f"(ranks-1) x size / time (MiB/s per rank); halo/flat = flat time / halo time",
+             f"{'size':>8} {'flat ms':>9} {'flat MiB/s':>11} {'halo ms':>9} {'halo MiB/s':>11} "
+             f"{'halo/flat':>9}"]
+    for size, f, h in zip(result["sizes"], result["flat_s"], result["halo_s"]):
+        sent = (n - 1) * size / 2 ** 20
+        lines.append(f"{_size(size):>8} {f * 1e3:9.2f} {sent / f:11.1f} {h * 1e3:9.2f} "
+                     f"{sent / h:11.1f} {f / h:8.2f}x")
+    return "\n".join(lines)
 
 
 def run_bench(transports: list[str], sizes: list[int] = SIZES, timeout: float = 600.0) -> dict:
