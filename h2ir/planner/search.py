@@ -42,10 +42,10 @@ from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import MAX_MICROBATCHES, MAX_WORKERS, H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
-from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
-                                   attention_score_bytes, device_capacity, dtype_bytes,
-                                   inflight_microbatches, nic_share, p2p_link,
-                                   replica_geometry, stage_memory)
+from h2ir.planner.resource import (ResourceModel, attention_score_bytes, default_ep_geometry,
+                                   device_capacity, dtype_bytes, ep_groups, inflight_microbatches,
+                                   moe_a2a_pass_time, p2p_link, stage_memory)
+from h2ir.schedule.streams import WorkerLayout, worker_hosts
 from h2ir.planner.simulate import SimResult, simulate
 
 BLOCK_KINDS = ("transformer_block", "moe_block")
@@ -68,6 +68,7 @@ class PlanSpace:
     mixed_tp: bool = True        # stages of one chip type with different tp degrees
     split_types: bool = True     # a chip type in two contiguous blocks of stages (A-B-A)
     schedules: tuple | None = None   # schedules to search; None: the one passed to `search`
+    mixed_ep: bool = True        # MoE: an EP degree per chip type (False: one for every stage)
 
 
 @dataclass(frozen=True)
@@ -342,8 +343,11 @@ class StageLine:
         charges); without it, the cheaper placement-free formulas (`p2p_link`,
         `replica_geometry`), which rank lines while they are being formed but bound nothing."""
         self.rm, self.config, self.schedule = rm, config, schedule
-        self.ep, self.a2a = ep, a2a
+        self.a2a = a2a
         self.shapes = config.shapes()
+        # `ep`: one EP degree for every stage, or {chip: ep} (a degree per chip type)
+        self.eps = [ep.get(c, 1) if isinstance(ep, dict) else ep for c, _ in self.shapes]
+        self.ep = ep
         S, L = len(self.shapes), rm.L
         self.S, self.L, self.m, self.dp = S, L, config.m, config.dp
         self.gpipe = schedule == "gpipe"
@@ -351,12 +355,13 @@ class StageLine:
         self.kinds = []
         for j, (chip, tp) in enumerate(self.shapes):
             infl = inflight_microbatches(schedule, j, S, self.m)
-            key = (id(rm), chip, tp, ep, a2a, infl)
+            e = self.eps[j]
+            key = (id(rm), chip, tp, e, a2a, infl)
             if key not in kinds:
-                tkey = ("table", id(rm), chip, tp, ep, a2a)
+                tkey = ("table", id(rm), chip, tp, e, a2a)
                 if tkey not in kinds:
-                    kinds[tkey] = _KindTable(rm, chip, tp, ep, a2a)
-                kinds[key] = StageKind(rm, chip, tp, ep, a2a, infl, kinds[tkey])
+                    kinds[tkey] = _KindTable(rm, chip, tp, e, a2a)
+                kinds[key] = StageKind(rm, chip, tp, e, a2a, infl, kinds[tkey])
             self.kinds.append(kinds[key])
         self.optc = [rm.opt_step_coef(chip) for chip, _ in self.shapes]
         self.grad_bytes = rm.la.grad_bytes
@@ -568,8 +573,10 @@ class StageLine:
         for j, (chip, tp) in enumerate(self.shapes):
             a, b = bounds[j], bounds[j + 1]
             r = self.stage(j, a, b)
+            e = self.eps[j]
             stages.append(StagePlan(chip=chip, chips=self.dp * tp, layers=names[a:b], tp=tp,
-                                    recompute=r[2] if r else "none"))
+                                    recompute=r[2] if r else "none",
+                                    ep=e if moe is not None and e != moe.ep else None))
         return Plan(model=costs_model, cluster=cluster.name, global_batch=global_batch,
                     micro_batch=self.config.micro_batch, seq_len=seq_len, stages=stages,
                     dp=self.dp, schedule=self.schedule, moe=moe)
@@ -724,28 +731,92 @@ def _moe_layers(costs: ModelCosts):
     return [l for l in costs.layers if l.moe is not None]
 
 
-def _moe_plan(rm: ResourceModel, cluster: Cluster, costs: ModelCosts, dp: int, tps: dict,
-              max_ep: int | None = None) -> MoEPlan | None:
-    """Expert parallelism across the data-parallel replicas: the largest EP dividing both dp
-    and the expert count (at most `max_ep`); all-to-all algorithm: whichever the resource model
-    says is faster summed over the chip types."""
-    moes = _moe_layers(costs)
+def _expert_gcd(costs: ModelCosts) -> int:
+    """The gcd of the MoE layers' expert counts (0 without MoE layers): an EP degree divides it."""
+    g = 0
+    for l in _moe_layers(costs):
+        g = math.gcd(g, l.moe.num_experts)
+    return g
+
+
+def ep_options(cluster: Cluster, costs: ModelCosts, dp: int, chip: str, tps,
+               max_ep: int | None = None, local: bool = True) -> list[int]:
+    """EP degrees a stage of `chip` may take: divisors of dp and of every MoE layer's expert
+    count (an EP group is `ep` data-parallel replicas of the stage: Plan.stage_ep), at most
+    `max_ep`, and with `local` small enough that ep replicas at the type's smallest tp fit one
+    node (necessary for node-local groups; the line's hosts decide, `ep_local`)."""
+    E = _expert_gcd(costs)
+    if not E:
+        return [1]
+    cpn = max(g.chips_per_node for g in cluster.groups_of(chip))
+    return [e for e in divisors(math.gcd(dp, E))
+            if (max_ep is None or e <= max_ep) and (not local or e * min(tps) <= cpn)]
+
+
+_EP_LOCAL: dict = {}
+
+
+def ep_local(cluster: Cluster, shapes, dp: int, eps) -> bool:
+    """Whether every EP group of every stage of the line (shapes: (chip, tp) per stage; eps:
+    {chip: ep} or one ep) lies inside one host, on the hosts the build gives the workers
+    (`worker_hosts` over `WorkerLayout`: the compiler's placement, not an assumption)."""
+    shapes = tuple(shapes)
+    per = [eps.get(c, 1) if isinstance(eps, dict) else eps for c, _ in shapes]
+    if all(e <= 1 for e in per):
+        return True
+    key = (id(cluster), shapes, dp, tuple(per))
+    hit = _EP_LOCAL.get(key)
+    if hit is not None:
+        return hit
+    if len(_EP_LOCAL) > 65536:
+        _EP_LOCAL.clear()
+    # necessary: a group's members are a replica's chips of the type apart
+    used: dict = {}
+    for c, t in shapes:
+        used[c] = used.get(c, 0) + t
+    ok = all(dp % e == 0 and (e - 1) * used[c] + t <= max(g.chips_per_node for g in cluster.groups_of(c))
+             for (c, t), e in zip(shapes, per) if e > 1)
+    if ok:
+        lay = WorkerLayout(dp, tuple(t for _, t in shapes))
+        hosts = worker_hosts(lay, [c for c, _ in shapes], cluster)
+        ok = all(len({hosts[w] for w in grp}) == 1
+                 for j, e in enumerate(per) if e > 1
+                 for k in range(lay.tps[j]) for grp in ep_groups(lay, j, e, k))
+    _EP_LOCAL[key] = ok
+    return ok
+
+
+def _a2a_choice(rm: ResourceModel, cluster: Cluster, eps: dict, tps: dict) -> str:
+    """flat or HALO, whichever `moe_a2a_pass_time` says is faster summed over the chip types (at
+    the geometry of consecutive replicas; on one node both are the flat all-to-all)."""
+    moes = _moe_layers(rm.costs)
     if not moes:
-        return None
-    E = moes[0].moe.num_experts
-    ep = max(d for d in divisors(dp) if E % d == 0 and (max_ep is None or d <= max_ep))
-    if ep <= 1:
-        return MoEPlan(ep=1)
+        return "flat"
     mi = moes[0].moe
-    nbytes = rm.costs.micro_batch * rm.costs.seq_len * mi.top_k * mi.d_model * dtype_bytes(cluster.dtype)
     tot = {"flat": 0.0, "halo": 0.0}
-    for c, t in tps.items():
-        g = cluster.group(c)
-        geo = replica_geometry(g, ep, t)
-        args = (nbytes / t, ep, geo.per_node, g.intra_bw, nic_share(g), g.intra_latency, g.inter_latency)
-        tot["flat"] += all_to_all_flat_time(*args)
-        tot["halo"] += all_to_all_halo_time(*args)
-    return MoEPlan(ep=ep, a2a="halo" if tot["halo"] < tot["flat"] else "flat")
+    bpe = dtype_bytes(cluster.dtype)
+    for c, e in eps.items():
+        if e <= 1:
+            continue
+        g, t = cluster.group(c), tps[c]
+        for algo in tot:
+            tot[algo] += moe_a2a_pass_time(rm.costs, mi, g, t, e, algo, default_ep_geometry(g, e, t),
+                                           None, bpe)
+    return "halo" if tot["halo"] < tot["flat"] else "flat"
+
+
+def _moe_plan(costs: ModelCosts, eps: dict, a2a: str = "flat") -> MoEPlan | None:
+    """The moe section for EP degrees per chip type: its ep is the most common degree (the
+    stages of other degrees say their own `ep=`)."""
+    if not _moe_layers(costs):
+        return None
+    vals = list(eps.values()) or [1]
+    ep = max(set(vals), key=lambda e: (vals.count(e), e))
+    return MoEPlan(ep=ep, a2a=a2a if ep > 1 or any(v > 1 for v in vals) else "flat")
+
+
+def _eps_key(eps: dict) -> tuple:
+    return tuple(sorted(eps.items()))
 
 
 def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batches, schedule: str,
@@ -846,8 +917,15 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
             rms[mb] = ResourceModel(costs, cluster, mb, seq_len, calibration)
         rm = rms[mb]
         cfg = Config(dp, mb, m, tps, first, tuple(sorted(counts.items())), schedule=schedule)
-        moe = _moe_plan(rm, cluster, rm.costs, dp, dict(tps), max_ep)
-        line = StageLine(rm, cfg, schedule, moe.ep if moe else 1, moe.a2a if moe else "flat", kinds,
+        # one EP degree for every stage (heterogeneity-unaware): the largest whose groups are
+        # node-local on this line's hosts
+        t0 = tps[0][1]
+        shapes = cfg.shapes()
+        opts = set.intersection(*(set(ep_options(cluster, costs, dp, c, [t0], max_ep)) for c, _ in tps))
+        ep = max((e for e in opts if ep_local(cluster, shapes, dp, e)), default=1)
+        eps = {c: ep for c, _ in tps}
+        moe = _moe_plan(costs, eps, _a2a_choice(rm, cluster, eps, dict(tps)))
+        line = StageLine(rm, cfg, schedule, eps, moe.a2a if moe else "flat", kinds,
                          placed=False)       # ranks uniform plans only; the best is simulated
         bounds = _uniform_bounds(costs, line.S)
         if bounds is None:
@@ -1072,7 +1150,7 @@ def _cut_order_ok(order: list) -> bool:
 
 
 def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict, m: int,
-                  schedule: str, ep: int, a2a: str) -> float:
+                  schedule: str, ep, a2a: str, inflight: int | None = None) -> float:
     """A lower bound of every line of a configuration: some stage runs at least T per
     micro-batch, m times, where T is the smallest bottleneck at which the types' chips could
     hold every transformer block (a stage of (chip, tp) holds at most the blocks that fit
@@ -1082,15 +1160,16 @@ def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict,
     la = rm.la
     block = la.is_block if la.is_block.any() else np.ones(la.L, bool)
     N = int(block.sum())
-    infl = m if schedule == "gpipe" else 1
+    infl = inflight or (m if schedule == "gpipe" else 1)
     kinds, pass_t = [], np.full(la.L, np.inf)
     for c, B in budgets.items():
         cap_mem = device_capacity(cluster.chip(c))
+        e = ep.get(c, 1) if isinstance(ep, dict) else ep
         for t in tps[c]:
-            lt = rm.layer_times(c, t, ep, a2a)
+            lt = rm.layer_times(c, t, e, a2a)
             tau = np.add(lt.fwd_layer, lt.bwd_layer)
             pass_t = np.minimum(pass_t, tau)
-            dev = la.device(t, ep)
+            dev = la.device(t, e)
             tb = float(tau[block].min())
             rb = float((tau + np.array(lt.fwd_layer))[block].min())
             state = float((dev.params[block] * la.state.total).min())
@@ -1222,21 +1301,59 @@ class _Search:
                 return
         if not budgets:
             return
-        need = float(rm.la.params.sum()) * rm.la.state.total
+        opts = {c: ep_options(self.cluster, self.costs, dp, c, tps[c], self.max_ep) for c in budgets}
+        la = rm.la
+        # model states a replica must hold: experts divide by EP (at most the largest option)
+        need = (float(la.dense_params.sum())
+                + float(la.expert_params.sum()) / max(max(o) for o in opts.values())) * la.state.total
         if sum(device_capacity(self.cluster.chip(c)) * B for c, B in budgets.items()) < need:
             return
-        moe = _moe_plan(rm, self.cluster, rm.costs, dp, {c: t[0] for c, t in tps.items()}, self.max_ep)
-        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
-        lb = _config_bound(rm, self.cluster, budgets, tps, m, sched, ep, a2a)
-        if lb < math.inf:
-            self.push(lb, "config", (sched, mb, dp, m, budgets, tps, moe))
+        for eps in self._ep_assignments(rm, budgets, tps, m, sched, opts):
+            moe = _moe_plan(self.costs, eps, _a2a_choice(rm, self.cluster, eps,
+                                                         {c: t[0] for c, t in tps.items()}))
+            a2a = moe.a2a if moe else "flat"
+            lb = _config_bound(rm, self.cluster, budgets, tps, m, sched, eps, a2a)
+            if lb < math.inf:
+                self.push(lb, "config", (sched, mb, dp, m, budgets, tps, moe, eps))
 
-    def _line(self, sched, mb, dp, m, shapes, moe, placed=True):
-        ep, a2a = (moe.ep, moe.a2a) if moe else (1, "flat")
+    def _ep_assignments(self, rm, budgets, tps, m, sched, opts) -> list[dict]:
+        """EP degrees per chip type to search, each its own configuration (a lower bound each):
+        every degree common to all types (homogeneous EP), each type's largest, and with
+        `mixed_ep` the assignment a coordinate descent picks on the configuration bound taken at
+        a typical 1F1B in-flight count (half the stages), where memory speaks as well as the
+        all-to-all: a type with room for its experts keeps a small EP, a tight one a large."""
+        if not _moe_layers(self.costs):
+            return [{}]
+        out = [{c: e for c in budgets} for e in sorted(set.intersection(*map(set, opts.values())))]
+        out.append({c: max(o) for c, o in opts.items()})
+        if self.space.mixed_ep and len(budgets) > 1:
+            S = sum(B // min(tps[c]) for c, B in budgets.items())
+            infl = m if sched == "gpipe" else max(1, min(m, S // 2))
+            memo: dict = {}
+
+            def score(eps):
+                k = _eps_key(eps)
+                if k not in memo:
+                    memo[k] = _config_bound(rm, self.cluster, budgets, tps, m, sched, eps, "flat", infl)
+                return memo[k]
+            cur = {c: max(o) for c, o in opts.items()}
+            for _ in range(2):
+                for c in sorted(opts):
+                    cur[c] = min(opts[c], key=lambda e: (score({**cur, c: e}), -e))
+            out.append(dict(cur))
+        seen, uniq = set(), []
+        for eps in out:
+            if _eps_key(eps) not in seen:
+                seen.add(_eps_key(eps))
+                uniq.append(eps)
+        return uniq
+
+    def _line(self, sched, mb, dp, m, shapes, moe, eps, placed=True):
+        a2a = moe.a2a if moe else "flat"
         cfg = _config_of(dp, mb, m, shapes, self.counts_t, sched)
-        return StageLine(self.rm(mb), cfg, sched, ep, a2a, self.kinds, placed)
+        return StageLine(self.rm(mb), cfg, sched, eps or 1, a2a, self.kinds, placed)
 
-    def expand_config(self, lb, sched, mb, dp, m, budgets, tps, moe):
+    def expand_config(self, lb, sched, mb, dp, m, budgets, tps, moe, eps):
         self.configs += 1
         L = len(self.costs.layers)
         exact_seqs = {c: type_sequences(B, tps[c], L, self.space, True) for c, B in budgets.items()}
@@ -1252,7 +1369,9 @@ class _Search:
             order = list(memory_order(self.cluster, list(seqs)))
 
             def score(shapes):
-                line = self._line(sched, mb, dp, m, shapes, moe, placed=False)
+                if not ep_local(self.cluster, shapes, dp, eps):
+                    return math.inf
+                line = self._line(sched, mb, dp, m, shapes, moe, eps, placed=False)
                 r = line.min_bottleneck()
                 if r is None:
                     return math.inf
@@ -1262,14 +1381,14 @@ class _Search:
             if lb >= self.best_line:
                 return                       # a line already found is at least as good
             ll = _LocalLines(score, seqs, order, self.space, L)
-            start = self.warm.get((sched, dp))
+            start = self.warm.get((sched, dp, _eps_key(eps)))
             if start is not None:
                 # the same dp at another micro-batch: start from its best line, one round
                 if ll.start_value(start) > self.best_line * (1 + PROBE_SLACK):
                     return                   # far behind the best line found: not worth a descent
                 ll.rounds = 1
             found = ll.run(start=start)
-            self.warm[(sched, dp)] = ll.state
+            self.warm[(sched, dp, _eps_key(eps))] = ll.state
             if found:
                 self.best_line = min(self.best_line, found[0][0])
             lines = [sh for _, sh in found]
@@ -1282,9 +1401,9 @@ class _Search:
                               f"{EXHAUSTIVE_LINE_LIMIT:,} per line and {EXHAUSTIVE_TOTAL_LIMIT:,} "
                               f"in all", hint="use --search heuristic")
         for shapes in lines:
-            if len(shapes) > L:
+            if len(shapes) > L or not ep_local(self.cluster, shapes, dp, eps):
                 continue
-            line = self._line(sched, mb, dp, m, shapes, moe)
+            line = self._line(sched, mb, dp, m, shapes, moe, eps)
             self.lines += 1
             if self.exhaustive:
                 self.push(lb, "line", (line, moe, 0))

@@ -198,6 +198,12 @@ class SimulatedWorker(StreamInterpreter):
     def opt_step(self, ins):
         self._compute("opt_step", self.times.opt_step_s)
 
+    def migrate(self, ins):
+        # expert migration at the step boundary (h2ir/schedule/streams.py): a load exchange in
+        # every step, weights moved only when the policy fires; not costed (amortised over the
+        # policy's interval, and zero on the steps it does not fire)
+        pass
+
 
 def run_streams(workers: list[SimulatedWorker]) -> float:
     """Advance every worker as far as its data allows, round after round, until all streams end;
