@@ -16,9 +16,10 @@ from __future__ import annotations
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX_SEQ_LEN, H2Error
-from h2ir.planner.resource import stage_memory
+from h2ir.planner.resource import ep_groups, stage_memory
 from h2ir.planner.search import divisors
 from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
+from h2ir.schedule.streams import WorkerLayout, worker_hosts
 
 # how many of a stage's biggest memory consumers an out-of-memory error lists
 _TOP_CONSUMERS = 4
@@ -190,6 +191,10 @@ class _Validator:
     def moe(self):
         m = self.plan.moe
         if m is None:
+            for i, s in enumerate(self.plan.stages):
+                if s.ep is not None and s.ep != 1:
+                    self.fail(f"stage {i}: ep={s.ep} but the plan has no 'moe' section",
+                              self._stage_key(i, "ep"), hint="add e.g. `moe ep=1 a2a=flat`")
             return
         moe_layers = [l for l in self.costs.layers if l.moe is not None]
         if not moe_layers:
@@ -205,16 +210,33 @@ class _Validator:
         if m.migration == "periodic" and not _is_positive_int(m.migration_every):
             self.fail(f"moe: migration=periodic needs a positive interval, got "
                       f"{m.migration_every!r}", "moe.migration")
+        cap = getattr(m, "capacity", None)
+        if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                    and cap > 0):
+            self.fail(f"moe: capacity must be a positive factor or none, got {cap!r}",
+                      "moe.capacity")
+        # An expert group is `ep` data-parallel replicas of one stage (Plan.stage_ep; the
+        # compiler's `fwd ep[..]` groups): ep divides dp and the experts of every MoE layer the
+        # stage holds. The moe section's ep is checked against every MoE layer when no stage
+        # overrides it.
         experts = sorted({l.moe.num_experts for l in moe_layers})
-        for e in experts:
-            if e % m.ep:
-                self.fail(f"moe: ep={m.ep} does not divide the {e} experts of the MoE layers",
-                          "moe.ep")
-        # An expert group is a set of workers, i.e. replicas of one stage (h2ir/schedule/streams.py:
-        # all_to_all [w..]), so the expert-parallel degree is carved out of dp.
-        if self.plan.dp % m.ep:
-            self.fail(f"moe: ep={m.ep} does not divide dp={self.plan.dp}; expert-parallel groups "
-                      f"are formed from the data-parallel replicas of a stage", "moe.ep")
+        by_name = {l.name: l for l in self.costs.layers}
+        for i, s in enumerate(self.plan.stages):
+            own = s.ep is not None
+            ep = self.plan.stage_ep(i)
+            key = self._stage_key(i, "ep") if own else "moe.ep"
+            who = f"stage {i}: ep={ep}" if own else f"moe: ep={ep}"
+            if own and not _is_positive_int(s.ep):
+                self.fail(f"stage {i}: ep must be a positive integer, got {s.ep!r}", key)
+            if self.plan.dp % ep:
+                self.fail(f"{who} does not divide dp={self.plan.dp}; expert-parallel groups "
+                          f"are formed from the data-parallel replicas of a stage", key,
+                          hint="ep must divide dp: " + ", ".join(str(d) for d in divisors(self.plan.dp)))
+            here = sorted({by_name[n].moe.num_experts for n in s.layers
+                           if n in by_name and by_name[n].moe is not None})
+            for e in (here if own else experts):
+                if e % ep:
+                    self.fail(f"{who} does not divide the {e} experts of the MoE layers", key)
 
     def memory(self):
         for i, s in enumerate(self.plan.stages):
@@ -242,9 +264,40 @@ class _Validator:
             elif g.chips_per_node % s.tp:
                 out.append(f"{where}stage {i}: tp={s.tp} does not divide {s.chip}'s "
                            f"{g.chips_per_node} chips per node; some TP groups straddle two nodes")
+        out += self._ep_warnings()
         if self.costs.seq_len and self.plan.seq_len != self.costs.seq_len:
             out.append(f"the plan's seq={self.plan.seq_len} differs from the {self.costs.seq_len} "
                        f"the model's costs were traced at; costs are rescaled linearly in tokens")
+        return out
+
+
+    def _ep_warnings(self) -> list[str]:
+        """Expert-parallel groups that cross hosts (legal: the all-to-all is costed over the
+        NICs it crosses, but it is what HeteroAuto avoids), and ep= on a stage without MoE layers.
+        A warning, not an error: hand-written plans may trade the all-to-all for memory."""
+        p = self.plan
+        if p.moe is None:
+            return []
+        out = []
+        moe_names = {l.name for l in self.costs.layers if l.moe is not None}
+        lay = WorkerLayout(p.dp, tuple(s.tp for s in p.stages))
+        hosts = worker_hosts(lay, [s.chip for s in p.stages], self.cluster)
+        for i, s in enumerate(p.stages):
+            ep = p.stage_ep(i)
+            where = f"line {s.line}: " if s.line else ""
+            if ep <= 1:
+                continue
+            if not moe_names.intersection(s.layers):
+                if s.ep is not None:
+                    out.append(f"{where}stage {i}: ep={ep} but the stage holds no MoE layer")
+                continue
+            spans = max(len({hosts[w] for w in grp})
+                        for k in range(s.tp) for grp in ep_groups(lay, i, ep, k))
+            if spans > 1:
+                out.append(f"{where}stage {i}: its expert-parallel groups of {ep} replicas span "
+                           f"{spans} hosts of {s.chip}; the dispatch/combine all-to-alls cross "
+                           f"the NICs (a smaller ep, or fewer {s.chip} chips per replica, keeps "
+                           f"them inside a node)")
         return out
 
 
