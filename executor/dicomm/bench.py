@@ -169,8 +169,12 @@ def a2a_worker(spec: dict) -> None:
     from executor.dicomm.comm import connect
 
     rank, world, hosts = spec["rank"], spec["world"], spec["hosts"]
+    store = None
+    if spec.get("host_store") and rank == 0:   # on the test bed rank 0 hosts the store
+        from executor.dicomm.rendezvous import host_store
+        store = host_store(spec["store_host"], spec["port"], timeout=120.0)
     comm = connect(rank, world, spec["store_host"], spec["port"], transport=spec["transport"],
-                   timeout=120.0, host=spec["listen"], namespace="bench-a2a")
+                   timeout=120.0, host=spec["listen"], namespace="bench-a2a", store=store)
     group = list(range(world))
     out = {"hosts": hosts, "sizes": spec["sizes"], "iters": spec["iters"], "runs": spec["runs"],
            "flat_s": [], "halo_s": []}
