@@ -118,6 +118,9 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
     # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position.
     meta = {"step": step, "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
             "worker": worker.wid, "stage": worker.stage_idx}
+    moe = getattr(worker, "moe", None)
+    if moe:                          # expert placement after migrations (executor/experts.py)
+        meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
 
@@ -144,6 +147,15 @@ def load_worker_checkpoint(d: Path, worker) -> None:
             raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
         table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
     worker.opt_steps = opt_steps
+    placement = meta.get("moe_placement")
+    moe = getattr(worker, "moe", None)
+    if placement and moe:
+        if set(placement) != set(moe.placement) or any(
+                sorted(placement[p]) != sorted(moe.placement[p]) for p in placement):
+            raise H2Error("checkpoint's expert placement does not fit this build's MoE layers",
+                          str(mf))
+        moe.placement = {p: [int(e) for e in o] for p, o in placement.items()}
+        worker.set_placement_consts(moe.placement)
 
 
 def build_fingerprint(build_path: Path) -> str:

@@ -50,6 +50,7 @@ class RunResult:
     predicted_step_s: float | None = None
     sent_bytes: list = field(default_factory=list)      # per step: worker -> {act, grad} bytes
     transport: str = ""
+    moe: list = field(default_factory=list)             # per step: MoE layer -> loads (merge_moe)
 
 
 def _reader(proc, wid, q):
@@ -264,12 +265,14 @@ class _Progress:
 
     def on_step(self, w: int, ev: dict):
         rep = self.step_reports.setdefault(ev["step"], {"workers": set(), "losses": [],
-                                                        "sent": {}})
+                                                        "sent": {}, "moe": []})
         rep["workers"].add(w)
         if "loss" in ev:
             rep["losses"].append(ev["loss"])
         if "sent_bytes" in ev:          # boundary bytes each worker sent (TP redistribution)
             rep["sent"][w] = ev["sent_bytes"]
+        if ev.get("moe"):
+            rep["moe"].append(ev["moe"])
         if len(rep["workers"]) < self.W:
             return
         now = time.perf_counter()
@@ -281,16 +284,45 @@ class _Progress:
         self.result.step_s.append(step_s)
         self.result.tokens_per_s.append(tps)
         self.result.sent_bytes.append(dict(sorted(rep["sent"].items())))
+        moe = merge_moe(rep["moe"])
+        if moe:
+            self.result.moe.append(moe)
         s = ev["step"]
         self.out(f"step {s + 1:>4}/{self.steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
                  f"step {step_s:.3f} s" + ("  (includes start-up)" if s == self.start else ""))
         if self.log_f:
-            self.log_f.write(json.dumps({"step": s + 1, "loss": loss, "tokens_per_s": tps,
-                                         "step_s": step_s,
-                                         "sent_bytes": {f"w{k}": v for k, v in
-                                                        sorted(rep["sent"].items())}}) + "\n")
+            line = {"step": s + 1, "loss": loss, "tokens_per_s": tps, "step_s": step_s,
+                    "sent_bytes": {f"w{k}": v for k, v in sorted(rep["sent"].items())}}
+            if moe:
+                line["moe"] = moe
+            self.log_f.write(json.dumps(line) + "\n")
             self.log_f.flush()
         del self.step_reports[s]
+
+
+def merge_moe(reports: list[dict]) -> dict:
+    """One step's MoE layers from the workers' reports (executor/experts.py MoEState.report):
+    per layer the loads summed over every worker's tokens (`load`, tokens per expert before
+    dropping), dropped tokens, capacity, and on an EP stage the placement and the EP ranks'
+    max/mean load (`rank_imbalance`), and what migrated."""
+    from executor.experts import imbalance
+    out: dict = {}
+    for rep in reports:
+        for layer, r in rep.items():
+            m = out.setdefault(layer, {"load": [0] * len(r["load"]), "dropped": 0,
+                                       "capacity": r.get("capacity")})
+            m["load"] = [a + b for a, b in zip(m["load"], r["load"])]
+            m["dropped"] += r["dropped"]
+            for key in ("placement", "ep", "migrated"):
+                if key in r:
+                    m[key] = r[key]
+    for m in out.values():
+        loads = np.asarray(m["load"], dtype=np.float64)
+        mean = loads.mean() if loads.size else 0.0
+        m["expert_imbalance"] = round(float(loads.max() / mean), 4) if mean > 0 else 1.0
+        if "placement" in m:
+            m["rank_imbalance"] = round(imbalance(loads, m["placement"], m["ep"]), 4)
+    return dict(sorted(out.items()))
 
 
 def _supervise(run: _Run, progress: _Progress):

@@ -32,7 +32,8 @@ from backends.base import run_program
 from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
-from executor.redistribute import TPGroupComm, recv_shares, send_shares
+from executor.experts import MoEState, StageComm, migrate_experts
+from executor.redistribute import recv_shares, send_shares
 from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
 from h2ir.opset import DROPOUT_SEED_INPUT, dropout_seed
@@ -64,8 +65,19 @@ class Worker(StreamInterpreter):
         # rank's shards (h2ir.schedule.streams.WorkerLayout; executor/redistribute.py)
         self.tp_group = list(w.get("tp_group") or [wid])
         self.tp_rank = int(w.get("tp_rank", 0))
-        self.tp_comm = TPGroupComm(lambda: self.comm, self.be, self.tp_group, self.tp_rank) \
-            if len(self.tp_group) > 1 else None
+        # expert parallelism: this worker is rank ep_rank of its stage's EP group (replicas
+        # sharing out the stage's experts; frontend/moe.py, executor/experts.py)
+        self.ep_group = list(w.get("ep_group") or [wid])
+        self.ep_rank = int(w.get("ep_rank", 0))
+        stage_moe = build.manifest["stages"][self.stage_idx].get("moe")
+        self.moe = MoEState(stage_moe, len(self.ep_group), self.ep_rank)
+        moe_cfg = build.manifest.get("moe") or {}
+        self.tp_comm = StageComm(lambda: self.comm, self.be, tp_group=self.tp_group,
+                                 tp_rank=self.tp_rank, ep_group=self.ep_group,
+                                 a2a=moe_cfg.get("a2a", "flat"),
+                                 hosts=[build.workers[g].get("host", 0) for g in self.ep_group],
+                                 moe=self.moe) \
+            if len(self.tp_group) > 1 or stage_moe else None
         self.sent_bytes = {"act": 0, "grad": 0}    # boundary bytes this worker sent (per step)
         weights = build.path / w["weights"] if w.get("weights") else st.weights
         from safetensors.numpy import load_file
@@ -106,6 +118,7 @@ class Worker(StreamInterpreter):
         self.param_grads: dict = {}
         self.owned_grads: set = set()
         self.losses: list[float] = []
+        self.moe.reset()
 
     # ---- compute -------------------------------------------------------------------------------
     def fwd(self, ins):
@@ -223,11 +236,27 @@ class Worker(StreamInterpreter):
             self.params[k] = self.be.from_numpy(np.array(a), "f32")
 
     def all_reduce(self, ins):
-        names = list(self.opt_names)
+        experts = set()
+        if ins.ep:          # an EP stage: expert gradients have their own group and scale
+            experts = {k for ks in self.moe.params.values() for k in ks} & set(self.opt_names)
+        names = [k for k in self.opt_names if k not in experts]
         arrs = [np.ascontiguousarray(self.be.to_numpy(self._grad(k))) for k in names]
         self.comm.all_reduce(arrs, group=list(ins.group), op="avg")
         for k, a in zip(names, arrs):
             self.param_grads[k] = self.be.from_numpy(a, "f32")
+        if experts:
+            # the all-to-all's backward already summed the EP group's tokens into each expert's
+            # gradient (each replica's loss scaled by 1/m): divide by ep, and average over the
+            # replicas holding the same experts (same EP rank in every EP group)
+            ep = ins.ep[0]
+            group = [g for i, g in enumerate(ins.group) if i % ep == self.ep_rank]
+            names = sorted(experts)
+            arrs = [np.ascontiguousarray(self.be.to_numpy(self._grad(k)), dtype=np.float32) / ep
+                    for k in names]
+            if len(group) > 1:
+                self.comm.all_reduce(arrs, group=group, op="avg")
+            for k, a in zip(names, arrs):
+                self.param_grads[k] = self.be.from_numpy(np.ascontiguousarray(a), "f32")
 
     def _grad(self, k):
         if k not in self.param_grads:      # a parameter no micro-batch touched: zero gradient
@@ -244,8 +273,27 @@ class Worker(StreamInterpreter):
                            o["weight_decay"])
 
     def all_to_all(self, ins):
-        raise H2Error(f"worker w{self.wid}: '{ins}' — MoE expert parallelism is not executed yet",
-                      hint="compile MoE models with ep=1 (experts run inside the stage)")
+        raise H2Error(f"worker w{self.wid}: '{ins}' — a stand-alone all_to_all instruction; "
+                      "expert-parallel exchanges run inside the stage programs (ep[...])",
+                      hint="recompile the build with this h2's h2c")
+
+    def migrate(self, ins):
+        m = self.build.manifest.get("moe") or {}
+        every = int(m.get("migration_every") or 0)
+        if m.get("migration") != "periodic" or not every or (self.step + 1) % every:
+            return
+        dp_group = [w["id"] for w in self.build.workers
+                    if w["stage"] == self.stage_idx and int(w.get("tp_rank", 0)) == self.tp_rank]
+        migrate_experts(self, self.moe, dp_group, list(ins.group), float(m.get("threshold", 1.3)))
+
+    def set_placement_consts(self, placements: dict):
+        """The programs' placement constants for `placements` (module path -> expert per slot)."""
+        for path, order in placements.items():
+            order = np.asarray(order, dtype=np.int64)
+            for name, arr in ((f"{path}.h2_placement", order),
+                              (f"{path}.h2_slot", np.argsort(order).astype(np.int64))):
+                if name in self.consts:
+                    self.consts[name] = self.be.from_numpy(arr, "i64")
 
     # ---- the step loop -------------------------------------------------------------------------
     _LANES = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
@@ -275,6 +323,8 @@ class Worker(StreamInterpreter):
             self.sent_bytes = {"act": 0, "grad": 0}
             if self.last and self.tp_rank == 0:      # a TP group's ranks hold one loss
                 ev["loss"] = float(np.mean(self.losses))
+            if self.moe and self.tp_rank == 0:
+                ev["moe"] = self.moe.report()
             self.emit(ev)
             gc.collect(0)
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:

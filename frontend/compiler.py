@@ -142,10 +142,17 @@ def _sha256(path: str) -> str:
 
 
 def _executable_check(plan):
-    # tp > 1 stages run sharded (frontend/tensor_parallel.py); expert parallelism does not yet
-    if plan.moe is not None and plan.moe.ep > 1:
-        raise H2Error("expert parallelism (ep > 1) is not executed yet; use --dry-run",
-                      plan.source, plan.moe.line or None)
+    # tp > 1 stages run sharded (frontend/tensor_parallel.py); ep > 1 stages share out their
+    # experts (frontend/moe.py); both at once in one stage is not built
+    for s, st in enumerate(plan.stages):
+        if st.tp > 1 and plan.stage_ep(s) > 1:
+            raise H2Error(f"stage {s} has tp={st.tp} and ep={plan.stage_ep(s)}: tensor and "
+                          "expert parallelism in one stage is not executed yet; use --dry-run",
+                          plan.source, st.line or None)
+        if st.tp > 1 and plan.moe is not None:
+            raise H2Error(f"stage {s} has tp={st.tp} in a plan with a 'moe' section: tensor "
+                          "parallelism of sparse MoE layers is not executed yet; use --dry-run",
+                          plan.source, st.line or None)
 
 
 def lowering_record(prog_fwd, prog_bwd, stack: str, stage: int, dtype_policy: str,
@@ -340,8 +347,10 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, 
     by)."""
     ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
     lay = plan_layout(plan)
+    eps = [plan.stage_ep(s) for s in range(len(plan.stages))]
     streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp,
-                            ties=ties, tp=lay.tps)
+                            ties=ties, tp=lay.tps, ep=eps,
+                            migrate=plan.moe is not None and plan.moe.migration != "none")
     hosts = worker_hosts(lay, [st.chip for st in plan.stages], cluster)
     workers = []
     for w, instrs in streams.items():
@@ -357,6 +366,10 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, 
             entry.update(tp_rank=k, tp_group=list(lay.tp_group(r, s)),
                          weights=stages_meta[s]["weights"] and
                          f"weights/stage{s}.tp{k}.safetensors")
+        if eps[s] > 1:
+            entry.update(ep_rank=r % eps[s], ep_group=list(lay.ep_group(r, s, eps[s], k)),
+                         weights=stages_meta[s]["weights"] and
+                         f"weights/stage{s}.ep{r % eps[s]}.safetensors")
         workers.append(entry)
     return streams, workers
 
@@ -381,6 +394,10 @@ def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, 
         "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},
         "predicted_step_s": sim.step_time_s,
+        "moe": None if plan.moe is None else {
+            "a2a": plan.moe.a2a, "placement": plan.moe.placement, "capacity": plan.moe.capacity,
+            "migration": plan.moe.migration, "migration_every": plan.moe.migration_every,
+            "threshold": plan.moe.threshold},
         "stages": stages_meta, "workers": workers,
     }
 
@@ -401,11 +418,9 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     out = _prepare_build_dir(out_dir, dry_run)
     log(f"building forward/backward programs for {len(plan.stages)} stage(s) "
         f"({time.perf_counter() - t0:.1f} s so far) ...")
-    try:
-        progs = build_stage_programs(cap, [list(s.layers) for s in plan.stages],
-                                     name=cap.model_file.name, tp=[s.tp for s in plan.stages])
-    except H2Error as e:          # an op met only in a backward program: locate it in the model
-        raise cap.locate(e) from None
+    caps = _stage_captures(cap, model_path, model_args, plan)
+    progs = _stage_programs(caps, plan, cap.model_file.name)
+    cap = caps.get(1, cap)        # the model as it runs (sparse MoE installed) for model.h2ir
 
     (out / "plan.h2plan").write_text(format_plan(plan))
     if cluster.source and Path(cluster.source).is_file():
@@ -414,6 +429,9 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     stages_meta = _write_stages(out, progs, plan, cluster, dry_run, log)
     for m, tied in zip(stages_meta, _tied_stage_meta(costs, plan, progs)):
         m["tied"] = tied
+    for m, p in zip(stages_meta, progs):
+        if p.moe:
+            m["moe"] = p.moe
     if not dry_run:
         _write_weights(cap, progs, model_path, model_args, seed, out)
     streams, workers = _write_streams(out, plan, costs, stages_meta, cluster)
@@ -435,13 +453,25 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     import torch
     from safetensors.numpy import save_file
 
+    from frontend import moe
     torch.manual_seed(seed)
     model = cap.model_file.build(model_args)
     params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
     buffers = dict(model.named_buffers(remove_duplicate=False))
     for p in progs:
-        save_file({k: params[k].detach().numpy().copy() for k in p.params},
-                  str(out / f"weights/stage{p.index}.safetensors"))
+        for path, e in (p.moe or {}).get("experts", {}).items():   # the placement constants
+            order = np.array(e["placement"], dtype=np.int64)
+            buffers[f"{path}.h2_placement"] = torch.from_numpy(order)
+            buffers[f"{path}.h2_slot"] = torch.from_numpy(np.argsort(order).astype(np.int64))
+    for p in progs:
+        full = {k: params[k].detach().numpy().copy() for k in p.params}
+        save_file(full, str(out / f"weights/stage{p.index}.safetensors"))
+        ep = (p.moe or {}).get("ep", 1)
+        if ep > 1:                                     # each EP rank's experts, in slot order
+            placements = {path: e["placement"] for path, e in p.moe["experts"].items()}
+            stacks = {k: path for path, e in p.moe["experts"].items() for k in e["params"]}
+            for r, shard in enumerate(moe.shards(full, stacks, placements, ep)):
+                save_file(shard, str(out / f"weights/stage{p.index}.ep{r}.safetensors"))
         for r in range(p.tp if p.tp > 1 else 0):       # each TP rank's shards
             save_file({k: np.ascontiguousarray(shard_weight(params[k].detach().numpy(),
                                                             p.sharding.get(k), p.tp, r))
@@ -449,6 +479,58 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
                       str(out / f"weights/stage{p.index}.tp{r}.safetensors"))
         save_file({k: buffers[k].detach().numpy().copy() for k in p.consts},
                   str(out / f"weights/stage{p.index}.consts.safetensors"))
+
+
+def _stage_captures(cap, model_path: str, model_args: dict, plan) -> dict:
+    """EP degree -> the capture stage programs of that degree are built from. Without a 'moe'
+    section the model runs as written; with one, its experts modules run h2's sparse forward
+    (frontend/moe.py) with the plan's capacity, and each EP degree's capture holds one rank's
+    share of the expert stacks."""
+    if plan.moe is None:
+        return {1: cap}
+    import torch
+    from frontend import moe
+    out = {}
+    for ep in sorted({plan.stage_ep(s) for s in range(len(plan.stages))} | {1}):
+        with torch.device("meta"):
+            model = cap.model_file.build(model_args)
+        moe.install(model, ep=ep, capacity=plan.moe.capacity, placement=plan.moe.placement,
+                    file=plan.source or model_path)
+        out[ep] = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len, model=model)
+    return out
+
+
+def _stage_programs(caps: dict, plan, name: str) -> list:
+    """Every stage's programs, each from the capture of its EP degree; an EP stage's programs
+    are one EP rank's (the same on every rank: which experts a rank holds is data)."""
+    from frontend import moe
+    layers = [list(s.layers) for s in plan.stages]
+    built = {}
+    for ep, c in caps.items():
+        if ep == 1 or any(plan.stage_ep(s) == ep for s in range(len(plan.stages))):
+            try:
+                built[ep] = build_stage_programs(c, layers, name=name,
+                                                 tp=[s.tp for s in plan.stages])
+            except H2Error as e:    # an op met only in a backward program: locate it in the model
+                raise c.locate(e) from None
+    progs = []
+    for s in range(len(plan.stages)):
+        ep = plan.stage_ep(s)
+        p = built[ep][s]
+        p.moe = None
+        if plan.moe is not None:
+            model = caps[ep].model
+            stacks = moe.expert_param_names(model)
+            mods = {path: m for path, m in moe.experts_modules(model)}
+            mine = sorted({stacks[k] for k in p.params if k in stacks})
+            p.moe = {"ep": ep, "capacity_factor": plan.moe.capacity, "experts": {
+                path: {"experts": mods[path].h2_experts,
+                       "params": sorted(k for k in p.params if stacks.get(k) == path),
+                       "placement": moe.placement_order(mods[path].h2_experts, ep,
+                                                        plan.moe.placement)}
+                for path in mine}}
+        progs.append(p)
+    return progs
 
 
 def _h2_version() -> str:

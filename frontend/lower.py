@@ -634,6 +634,8 @@ ATEN: dict = {
     aten.index.Tensor: _index, aten._unsafe_index.Tensor: _index,
     aten.index_put.default: _index_put, aten._unsafe_index_put.default: _index_put,
     aten.index_add.default: _index_add,
+    aten.index_select.default: lambda em, x, dim, index: em("index", x, index,
+                                                            dims=[dim % x.type.rank]),
     aten.gather.default: lambda em, x, dim, index, sparse_grad=False: em(
         "gather", x, index, dim=dim % x.type.rank),
     aten.scatter.src: lambda em, x, dim, index, src: em("scatter", x, index, src,
@@ -658,6 +660,10 @@ ATEN: dict = {
     "h2tp::all_reduce": lambda em, x, size: em("tp_all_reduce", x, size=size, reduce="sum"),
     "h2tp::all_reduce_max": lambda em, x, size: em("tp_all_reduce", x, size=size, reduce="max"),
     "h2tp::rank": lambda em, anchor, size: em("tp_rank", size=size),
+    # expert parallelism's exchange and the MoE loads (frontend/moe.py)
+    "h2moe::all_to_all": lambda em, x, size: em("ep_all_to_all", x, size=size),
+    "h2moe::stats": lambda em, x, counts, capacity, layer: em("moe_stats", x, counts,
+                                                              capacity=capacity, layer=layer),
 }
 # In-place ATen ops that torch.export graphs keep: lowered as their functional form.
 for _fn_op, _ip_op in [(aten.div.Tensor, aten.div_.Tensor), (aten.div.Scalar, aten.div_.Scalar),

@@ -45,6 +45,9 @@ class StageProgram:
     output_types: dict = field(default_factory=dict)
     tp: int = 1             # tensor-parallel degree: the programs are one rank's (SPMD)
     sharding: dict = field(default_factory=dict)        # param FQN -> ParamSharding (tp > 1)
+    # sparse MoE (frontend/moe.py): {'ep', 'capacity_factor', 'experts': {module path:
+    # {'experts', 'params', 'placement'}}}, set by the compiler; None for a plan without 'moe'
+    moe: dict | None = None
 
     def meta(self) -> dict:
         m = {k: getattr(self, k) for k in (
@@ -53,6 +56,8 @@ class StageProgram:
         if self.tp > 1:
             m["tp"] = self.tp
             m["sharding"] = {k: {"kind": v.kind, "dim": v.dim} for k, v in self.sharding.items()}
+        if self.moe:
+            m["moe"] = self.moe
         return m
 
 

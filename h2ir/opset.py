@@ -675,13 +675,17 @@ _op("tp_rank", Group.COMM, [], {"size": REQUIRED},
     infer=lambda i, a: [TensorType("i64", ())], flops=_zero,
     doc="this worker's rank in its TP group (0 .. size-1), an i64 scalar")
 
-# MoE region boundaries (Piper, arXiv 2605.05049): tokens leave for their experts and come back.
-_op("moe_dispatch", Group.MOE, ["x", "expert_ids"], {"num_experts": REQUIRED, "capacity": REQUIRED},
-    infer=lambda i, a: [TensorType(i[0].dtype, (a["num_experts"], a["capacity"], i[0].shape[-1]))],
-    flops=_zero, doc="gather tokens into [experts, capacity, d] buffers")
-_op("moe_combine", Group.MOE, ["y", "expert_ids", "weights"], {"tokens": REQUIRED},
-    infer=lambda i, a: [TensorType(i[0].dtype, (a["tokens"], i[0].shape[-1]))], flops=_numel_out,
-    doc="weighted sum of expert outputs back into token order")
+# Expert parallelism inside a stage program (frontend/moe.py; Piper, arXiv 2605.05049): the
+# dispatch buffer's experts leave for the EP rank holding them and come back. Dispatch and
+# combine themselves are ordinary ops (one_hot, cumsum, index_add, index_select, bmm), so every
+# backend runs them and AOTAutograd derives their backward.
+_op("ep_all_to_all", Group.COMM, ["x"], {"size": REQUIRED}, infer=_same, flops=_zero,
+    doc="dim 0 split into `size` equal chunks, chunk j sent to rank j of the stage's EP group; "
+        "the result's chunk r is what rank r sent (its own inverse)")
+_op("moe_stats", Group.COMM, ["x", "counts"], {"capacity": REQUIRED, "layer": REQUIRED},
+    infer=lambda i, a: [i[0]], flops=_zero,
+    doc="x unchanged; the runtime records `counts` (tokens routed to each expert of MoE layer "
+        "`layer`, before dropping) and the layer's expert capacity")
 
 
 def comm_volume(op: str, ins: list, attrs: dict) -> tuple[str, int, int] | None:
@@ -689,6 +693,8 @@ def comm_volume(op: str, ins: list, attrs: dict) -> tuple[str, int, int] | None:
     times (h2ir/planner/resource.py); None for ops that move no data."""
     if op == "tp_all_reduce":
         return "all_reduce", ins[0].nbytes, attrs["size"]
+    if op == "ep_all_to_all":
+        return "all_to_all", ins[0].nbytes, attrs["size"]
     return None
 
 

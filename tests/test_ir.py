@@ -62,7 +62,7 @@ def test_opset_is_data_with_rules():
         assert op.infer is not None and op.flops is not None, op.name
     assert opset.in_group("reshape", opset.Group.MOVEMENT)
     assert opset.in_group("all_to_all", opset.Group.COMM)
-    assert opset.in_group("moe_dispatch", opset.Group.MOE)
+    assert opset.in_group("ep_all_to_all", opset.Group.COMM)
     mm = opset.get("mm")
     ins = [TensorType("f32", (4, 8)), TensorType("f32", (8, 16))]
     assert mm.infer(ins, {}) == [TensorType("f32", (4, 16))]

@@ -48,6 +48,7 @@ class StreamInterpreter:
     def all_reduce(self, ins: Instr): raise NotImplementedError
     def all_to_all(self, ins: Instr): raise NotImplementedError
     def opt_step(self, ins: Instr): raise NotImplementedError
+    def migrate(self, ins: Instr): raise NotImplementedError
     def send_tied_grads(self, ins: Instr): raise NotImplementedError
     def recv_tied_grads(self, ins: Instr): raise NotImplementedError
     def send_tied_params(self, ins: Instr): raise NotImplementedError

@@ -13,7 +13,16 @@ has a one-line text form that round-trips:
     send_grad 3 -> w0       send the gradient w.r.t. the stage's inputs upstream
     recv_grad 3 <- w1       receive the gradient w.r.t. the stage's outputs
     all_reduce grads [w0 w2]      average parameter gradients across the replicas of a stage
-    all_to_all 3 [w0 w1]    MoE token exchange for micro-batch 3 inside an expert group (roadmap)
+    fwd 3 ep[w0 w2]         forward of an expert-parallel stage: the program's dispatch and
+                            combine all-to-alls run over the EP group written out (the stage's
+                            replicas that share out its experts; frontend/moe.py)
+    all_reduce grads [w0 w2] ep 2   an EP stage's step end: non-expert gradients averaged over
+                            the replicas; expert gradients (already summed over the EP group by
+                            the all-to-all's backward) divided by ep and averaged over the
+                            replicas holding the same experts (expert-data parallelism)
+    migrate [w0 w2]         expert migration at the step boundary: the EP group sums its expert
+                            loads and, when the plan's policy says so, moves experts (weights and
+                            AdamW state) between its ranks
     send_tied_grads -> w0   hand this stage's gradients of tied parameters to their owner
     recv_tied_grads <- w1   the owner adds a holder's gradients of the parameters they share
     opt_step                optimizer step on this worker's parameters
@@ -45,7 +54,7 @@ from functools import cached_property
 from h2ir.errors import H2Error
 
 OPS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad",
-       "all_reduce", "all_to_all", "opt_step",
+       "all_reduce", "all_to_all", "opt_step", "migrate",
        "send_tied_grads", "recv_tied_grads", "send_tied_params", "recv_tied_params")
 _SENDS = ("send_act", "send_grad")
 _RECVS = ("recv_act", "recv_grad")
@@ -90,6 +99,13 @@ class WorkerLayout:
 
     def tp_group(self, replica: int, stage: int) -> tuple[int, ...]:
         return tuple(self.wid(replica, stage, k) for k in range(self.tps[stage]))
+
+    def ep_group(self, replica: int, stage: int, ep: int, rank: int = 0) -> tuple[int, ...]:
+        """The EP group of `replica`'s stage `stage` at expert-parallel degree `ep`: replicas
+        b*ep .. b*ep+ep-1 (b = replica // ep), same TP rank; a worker's EP rank is
+        replica % ep."""
+        b = replica // ep
+        return tuple(self.wid(b * ep + j, stage, rank) for j in range(ep))
 
     def dp_group(self, stage: int, rank: int = 0) -> tuple[int, ...]:
         """The workers holding the same shard of stage `stage` in every replica."""
@@ -149,6 +165,7 @@ class Instr:
     peer: int | None = None
     group: tuple[int, ...] | None = None
     share: tuple[int, int] | None = None     # (index, count) of a TP sender's share
+    ep: tuple[int, ...] | None = None        # fwd/bwd: the EP group; all_reduce: (ep degree,)
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -157,7 +174,8 @@ class Instr:
 
     def __str__(self) -> str:
         if self.op in ("fwd", "bwd"):
-            return f"{self.op} {self.mb}" + (f" tp[{_ws(self.group)}]" if self.group else "")
+            return f"{self.op} {self.mb}" + (f" tp[{_ws(self.group)}]" if self.group else "") \
+                + (f" ep[{_ws(self.ep)}]" if self.ep else "")
         if self.op in _SENDS:
             if self.peer is not None:
                 return f"{self.op} {self.mb} -> w{self.peer}"
@@ -171,7 +189,10 @@ class Instr:
         if self.op in _TIED_RECVS:
             return f"{self.op} <- w{self.peer}"
         if self.op == "all_reduce":
-            return "all_reduce grads [" + " ".join(f"w{g}" for g in self.group) + "]"
+            return "all_reduce grads [" + " ".join(f"w{g}" for g in self.group) + "]" \
+                + (f" ep {self.ep[0]}" if self.ep else "")
+        if self.op == "migrate":
+            return f"migrate [{_ws(self.group)}]"
         if self.op == "all_to_all":
             return f"all_to_all {self.mb} [" + " ".join(f"w{g}" for g in self.group) + "]"
         return self.op
@@ -182,9 +203,10 @@ class Instr:
         m = re.fullmatch(r"(fwd|bwd) (\d+)", t)
         if m:
             return cls(m[1], int(m[2]))
-        m = re.fullmatch(r"(fwd|bwd) (\d+) tp\[((?:w\d+ ?)+)\]", t)
+        m = re.fullmatch(r"(fwd|bwd) (\d+)(?: tp\[((?:w\d+ ?)+)\])?(?: ep\[((?:w\d+ ?)+)\])?", t)
         if m:
-            return cls(m[1], int(m[2]), group=_group(m[3]))
+            return cls(m[1], int(m[2]), group=_group(m[3]) if m[3] else None,
+                       ep=_group(m[4]) if m[4] else None)
         m = re.fullmatch(r"(send_act|send_grad) (\d+) -> \[((?:w\d+ ?)+)\] share (\d+)/(\d+)", t)
         if m:
             return cls(m[1], int(m[2]), group=_group(m[3]), share=(int(m[4]), int(m[5])))
@@ -197,9 +219,13 @@ class Instr:
         m = re.fullmatch(r"(recv_act|recv_grad) (\d+) <- w(\d+)", t)
         if m:
             return cls(m[1], int(m[2]), int(m[3]))
-        m = re.fullmatch(r"all_reduce grads \[((?:w\d+ ?)*)\]", t)
+        m = re.fullmatch(r"all_reduce grads \[((?:w\d+ ?)*)\](?: ep (\d+))?", t)
         if m:
-            return cls("all_reduce", group=tuple(int(g[1:]) for g in m[1].split()))
+            return cls("all_reduce", group=tuple(int(g[1:]) for g in m[1].split()),
+                       ep=(int(m[2]),) if m[2] else None)
+        m = re.fullmatch(r"migrate \[((?:w\d+ ?)+)\]", t)
+        if m:
+            return cls("migrate", group=_group(m[1]))
         m = re.fullmatch(r"all_to_all (\d+) \[((?:w\d+ ?)*)\]", t)
         if m:
             return cls("all_to_all", int(m[1]), group=tuple(int(g[1:]) for g in m[2].split()))
@@ -227,12 +253,15 @@ def _p2p(op: str, mb: int, peers: tuple, share: tuple[int, int]) -> Instr:
 
 def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group,
                   tie_owner: int | None = None, tie_holders: tuple[int, ...] = (),
-                  groups=None, rank: int = 0) -> list[Instr]:
+                  groups=None, rank: int = 0, ep_group: tuple[int, ...] | None = None,
+                  migrate: bool = False) -> list[Instr]:
     """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions,
     then the step's end: tied-gradient hand-over, data-parallel all-reduce, optimizer step,
     tied-parameter update. `tie_owner` is the stage owning parameters this stage holds copies
     of; `tie_holders` the stages holding copies of parameters this one owns. `groups(stage)` is
-    a stage's TP group in this replica, `rank` this worker's rank in its own."""
+    a stage's TP group in this replica, `rank` this worker's rank in its own. `ep_group`: the
+    EP group of an expert-parallel stage (its programs' all-to-alls; `migrate` adds the
+    step-boundary migration check)."""
     groups = groups or (lambda st: (worker(st),))
     out: list[Instr] = []
     mine = groups(stage)
@@ -244,24 +273,27 @@ def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_g
         if kind == "F":
             if prev is not None:
                 out.append(_p2p("recv_act", mb, prev, (0, len(prev))))
-            out.append(Instr("fwd", mb, group=tpg))
+            out.append(Instr("fwd", mb, group=tpg, ep=ep_group))
             if nxt is not None:
                 out.append(_p2p("send_act", mb, nxt, (rank, tp)))
         else:
             if nxt is not None:
                 out.append(_p2p("recv_grad", mb, nxt, (0, len(nxt))))
-            out.append(Instr("bwd", mb, group=tpg))
+            out.append(Instr("bwd", mb, group=tpg, ep=ep_group))
             if prev is not None:
                 out.append(_p2p("send_grad", mb, prev, (rank, tp)))
     if tie_owner is not None:
         out.append(Instr("send_tied_grads", peer=worker(tie_owner)))
     out += [Instr("recv_tied_grads", peer=worker(h)) for h in tie_holders]
     if len(dp_group) > 1:
-        out.append(Instr("all_reduce", group=tuple(dp_group)))
+        out.append(Instr("all_reduce", group=tuple(dp_group),
+                         ep=(len(ep_group),) if ep_group else None))
     out.append(Instr("opt_step"))
     out += [Instr("send_tied_params", peer=worker(h)) for h in tie_holders]
     if tie_owner is not None:
         out.append(Instr("recv_tied_params", peer=worker(tie_owner)))
+    if ep_group and migrate:
+        out.append(Instr("migrate", group=tuple(ep_group)))
     return out
 
 
@@ -304,10 +336,14 @@ def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, 
 
 def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1,
                   ties: dict[int, tuple[int, ...]] | None = None,
-                  tp: list[int] | tuple[int, ...] | None = None) -> dict[int, list[Instr]]:
+                  tp: list[int] | tuple[int, ...] | None = None,
+                  ep: list[int] | tuple[int, ...] | None = None,
+                  migrate: bool = False) -> dict[int, list[Instr]]:
     """Instruction streams for every worker of a dp x num_stages pipeline whose stage s has
     tp[s] ranks (`WorkerLayout`); `ties` is `tied_stage_groups`' owner -> holders map (tied
-    parameters are exchanged inside a replica, rank with rank: tied stages share one tp)."""
+    parameters are exchanged inside a replica, rank with rank: tied stages share one tp).
+    `ep[s]` > 1 makes stage s expert-parallel: replicas b*ep .. b*ep+ep-1 form one EP group
+    (`WorkerLayout.ep_group`); `migrate` adds expert migration at each EP stage's step end."""
     S = num_stages
     lay = WorkerLayout(dp, tuple(tp or (1,) * S))
     ties = ties or {}
@@ -318,6 +354,11 @@ def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int
                 raise H2Error(f"stages {o} and {h} share tied parameters but have tp "
                               f"{lay.tps[o]} and {lay.tps[h]}; tied stages need one tp")
     streams: dict[int, list[Instr]] = {}
+    eps = tuple(ep or (1,) * S)
+    for s, e in enumerate(eps):
+        if e > 1 and dp % e:
+            raise H2Error(f"stage {s}: ep={e} does not divide dp={dp}; an EP group is made of "
+                          "the stage's data-parallel replicas")
     for r in range(dp):
         for s in range(S):
             order = compute_order(schedule, s, S, num_microbatches)
@@ -326,7 +367,9 @@ def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int
                     order, s, S, worker=lambda st, r=r, k=k: lay.wid(r, st, k),
                     dp_group=list(lay.dp_group(s, k)),
                     tie_owner=owner_of.get(s), tie_holders=ties.get(s, ()),
-                    groups=lambda st, r=r: lay.tp_group(r, st), rank=k)
+                    groups=lambda st, r=r: lay.tp_group(r, st), rank=k,
+                    ep_group=lay.ep_group(r, s, eps[s], k) if eps[s] > 1 else None,
+                    migrate=migrate)
     return streams
 
 
