@@ -75,26 +75,44 @@ def memcpy_bps(nbytes: int = 8 << 20) -> float:
     return _memcpy_gib_s(nbytes) * 2 ** 30
 
 
-def testbed_topology(cal: dict, copy_bw: float) -> alltoall.Topology:
+def digest_bps(nbytes: int = 8 << 20) -> float:
+    """DiComm's payload digest rate here (best of 5), the checksum term of tcp messages."""
+    import time
+
+    import numpy as np
+
+    from executor.dicomm import checksum
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        checksum.digest(data)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def testbed_topology(cal: dict, copy_bw: float, digest_bw: float) -> alltoall.Topology:
     """The cost model's terms, all measured in this run."""
     return alltoall.Topology(
         ranks_per_node=2, nics_per_node=1,
         nic_bw=cal["inter"]["bandwidth_Bps"], inter_latency=cal["inter"]["latency_s"],
+        inter_gap=cal["inter"]["gap_s"],
         intra_bw=cal["intra"]["bandwidth_Bps"], intra_latency=cal["intra"]["latency_s"],
-        copy_bw=copy_bw)
+        intra_gap=cal["intra"]["gap_s"], copy_bw=copy_bw, digest_bw=digest_bw)
 
 
-def report(rate: float, m: dict, copy_bw: float) -> list[dict]:
+def report(rate: float, m: dict, copy_bw: float, digest_bw: float) -> list[dict]:
     from executor.dicomm.bench import _size
     cal = m["calibration"]
-    topo = testbed_topology(cal, copy_bw)
+    topo = testbed_topology(cal, copy_bw, digest_bw)
     n = len(HOSTS)
     print(f"\n== tbf {rate:g} Mbit/s: 2 hosts x 2 ranks (shm inside a host, tcp across); "
           f"load average {load()}")
-    print(f"   measured terms: inter {cal['inter']['latency_s'] * 1e6:.0f} us, "
-          f"{cal['inter']['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s; intra "
-          f"{cal['intra']['latency_s'] * 1e6:.0f} us, {cal['intra']['bandwidth_Bps'] / 2**30:.2f} "
-          f"GiB/s; memcpy {copy_bw / 2**30:.1f} GiB/s")
+    print(f"   measured terms: inter latency {cal['inter']['latency_s'] * 1e6:.0f} us, gap "
+          f"{cal['inter']['gap_s'] * 1e6:.0f} us, {cal['inter']['bandwidth_Bps'] * 8 / 1e6:.0f} "
+          f"Mbit/s; intra latency {cal['intra']['latency_s'] * 1e6:.0f} us, gap "
+          f"{cal['intra']['gap_s'] * 1e6:.0f} us, {cal['intra']['bandwidth_Bps'] / 2**30:.2f} "
+          f"GiB/s; memcpy {copy_bw / 2**30:.1f} GiB/s; digest {digest_bw / 2**30:.2f} GiB/s")
     print(f"{'size':>8} {'flat ms':>9} {'halo ms':>9} {'measured halo/flat':>19} "
           f"{'predicted':>10} {'pred/meas':>10}")
     rows = []
@@ -154,8 +172,8 @@ def main(argv: list[str]) -> int:
           f"{args.runs} means of {args.iters} calls per algorithm and size")
     rows = []
     for rate in rates:
-        copy_bw = memcpy_bps()
-        rows += report(rate, measure(rate, sizes, args.iters, args.runs), copy_bw)
+        copy_bw, digest_bw = memcpy_bps(), digest_bps()
+        rows += report(rate, measure(rate, sizes, args.iters, args.runs), copy_bw, digest_bw)
     worst = max(abs(r["predicted"] / r["measured"] - 1) for r in rows)
     print(f"\nmeasured halo/flat vs predicted: largest deviation {worst:.0%} (target within 20%)")
     if args.json:

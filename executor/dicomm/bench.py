@@ -203,8 +203,9 @@ def a2a_worker(spec: dict) -> None:
 
 
 def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
-    """Latency (median half round trip of a `latency_bytes` message) and bandwidth (one-way
-    stream of `stream_bytes` messages, best of 3) from rank 0 to the first rank on its host and
+    """Latency (median half round trip of a `latency_bytes` message), gap (time per message of
+    200 back-to-back ones, best of 3) and bandwidth (one-way stream of `stream_bytes` messages,
+    best of 3) from rank 0 to the first rank on its host and
     the first on another: the alpha and beta terms of the cost model, measured here."""
     peers = {"intra": next((r for r in range(1, len(hosts)) if hosts[r] == hosts[0]), None),
              "inter": next((r for r in range(1, len(hosts)) if hosts[r] != hosts[0]), None)}
@@ -229,8 +230,15 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                     comm.send(peer, big, kind=f"cal-{name}-bw{rep}", mb=i)
                 comm.recv(peer, kind=f"cal-{name}-done", mb=rep)
                 best = max(best, count * big.nbytes / (time.perf_counter() - t0))
+            gap = float("inf")
+            for rep in range(3):       # back-to-back small sends: the per-message gap
+                t0 = time.perf_counter()
+                for i in range(200):
+                    comm.send(peer, small, kind=f"cal-{name}-gap{rep}", mb=i)
+                comm.recv(peer, kind=f"cal-{name}-gapdone", mb=rep)
+                gap = min(gap, (time.perf_counter() - t0) / 200)
             got[name] = {"peer": peer, "latency_s": float(np.median(times[3:])) / 2,
-                         "bandwidth_Bps": best}
+                         "bandwidth_Bps": best, "gap_s": gap}
         elif rank == peer:
             for i in range(23):
                 comm.send(0, comm.recv(0, kind=f"cal-{name}-ping", mb=i),
@@ -240,6 +248,10 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                     comm.recv(0, kind=f"cal-{name}-bw{rep}", mb=i, view=True)
                 comm.release()
                 comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-done", mb=rep)
+            for rep in range(3):
+                for i in range(200):
+                    comm.recv(0, kind=f"cal-{name}-gap{rep}", mb=i)
+                comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-gapdone", mb=rep)
         comm.barrier()
     return got
 

@@ -3,9 +3,14 @@ all-to-all, as executor/dicomm/comm.py and executor/dicomm/halo.py run them.
 
 Notation: n ranks, k = ranks per node, N = ceil(n/k) nodes, B = bytes each rank sends in one
 all-to-all (B/n to every rank, itself included: the even split of MoE token dispatch), s = B/n.
-Every message costs its latency (per-message overhead: software, NIC, switch) plus its bytes over
-the link it takes (Hockney's alpha-beta model: R. Hockney, "The communication challenge for MPP",
-Parallel Computing 20(3), 1994).
+Per message, in the terms of LogP (Culler et al., "LogP: towards a realistic model of parallel
+computation", PPoPP 1993) with Hockney's bytes/bandwidth (Parallel Computing 20(3), 1994):
+`*_latency` is paid once per dependent hop (messages in flight together overlap it); `*_gap` is
+the per-message cost that serializes where messages queue (a NIC's message gap for inter-node
+messages, one rank's send overhead for its own sends); bytes go at the link's bandwidth; an
+inter-node message is also checksummed before it leaves and after it lands (DiComm's SHA-256
+payload digest) at `digest_bw`, which a stream of several messages overlaps with the wire but a
+single aggregated message cannot.
 
 flat  Each rank sends its k-1 node-local messages over the intra-node link and its n-k remote ones
       over the node's NICs, which all k ranks of the node share: k(n-k) messages of s bytes leave a
@@ -44,6 +49,9 @@ class Topology:
     intra_latency: float = 5e-6      # per intra-node message, s
     inter_latency: float = 10e-6     # per inter-node message, s
     copy_bw: float | None = None     # memory copy bandwidth for HALO's packing (None: free)
+    inter_gap: float | None = None   # serialized cost per inter-node message, s (None: latency)
+    intra_gap: float | None = None   # serialized cost per intra-node message, s (None: latency)
+    digest_bw: float | None = None   # payload checksum rate at each end, B/s (None: free)
     nodes_per_switch: int | None = None   # nodes under one switch (None: one switch for all)
     switch_latency: float = 0.0      # extra per message that leaves its switch group, s
 
@@ -89,20 +97,31 @@ def _switch_extra(nodes: int, topo: Topology) -> float:
     return (nodes - 1 - inside) / (nodes - 1) * topo.switch_latency
 
 
+def _gaps(topo: Topology) -> tuple[float, float]:
+    return (topo.intra_latency if topo.intra_gap is None else topo.intra_gap,
+            topo.inter_latency if topo.inter_gap is None else topo.inter_gap)
+
+
+def _digest(nbytes: float, topo: Topology) -> float:
+    return 2 * nbytes / topo.digest_bw if topo.digest_bw else 0.0
+
+
 def flat_time(bytes_per_rank: float, ranks: int, topo: Topology) -> float:
-    """Flat all-to-all time: max(one rank's k-1 intra-node messages, one NIC's share of its node's
-    k(n-k) inter-node messages), each message latency + bytes / bandwidth."""
+    """Flat all-to-all time: the busier of one rank's k-1 intra-node messages and one NIC's share
+    of its node's k(n-k) inter-node messages (each gap + bytes / bandwidth; a rank also pays its
+    n-k send gaps), plus one latency and one message's checksums (the stream's fill)."""
     if ranks <= 1 or bytes_per_rank <= 0:
         return 0.0
     k, N = _shape(ranks, topo)
     s = bytes_per_rank / ranks
-    intra = (k - 1) * (s / topo.intra_bw + topo.intra_latency)
+    g_intra, g_inter = _gaps(topo)
+    intra = (k - 1) * (s / topo.intra_bw + g_intra)
     if N == 1:
-        return intra
+        return intra + topo.intra_latency
     per_nic = k * (ranks - k) / topo.nics_per_node
     lat = topo.inter_latency + _switch_extra(N, topo)
-    inter = per_nic * (s / topo.nic_bw + lat)
-    return max(intra, inter)
+    inter = max(per_nic * (s / topo.nic_bw + g_inter), (ranks - k) * g_inter)
+    return max(intra, inter) + lat + _digest(s, topo)
 
 
 def aggregated_nodes(local_rank: int, ranks_per_node: int, remote_nodes: int) -> int:
@@ -123,27 +142,31 @@ def halo_phases(bytes_per_rank: float, ranks: int, topo: Topology) -> tuple[floa
     R = N - 1
     bundle, buffer = k * s, k * k * s
     copy = (lambda nbytes: nbytes / topo.copy_bw) if topo.copy_bw else (lambda nbytes: 0.0)
+    g_intra, g_inter = _gaps(topo)
     # (a) gather, bounded by the busiest rank: what it sends (local messages + bundles for the
     # nodes others aggregate) or what it receives (local messages + k-1 bundles per node it
-    # aggregates), then packs.
+    # aggregates), then packs; one intra-node latency.
     gather = scatter = 0.0
     for j in range(k):
         h = aggregated_nodes(j, k, R)
-        send = (k - 1) * (s / topo.intra_bw + topo.intra_latency) + \
-            (R - h) * (bundle / topo.intra_bw + topo.intra_latency)
-        recv = (k - 1) * (s / topo.intra_bw + topo.intra_latency) + \
-            h * (k - 1) * (bundle / topo.intra_bw + topo.intra_latency)
+        send = (k - 1) * (s / topo.intra_bw + g_intra) + \
+            (R - h) * (bundle / topo.intra_bw + g_intra)
+        recv = (k - 1) * (s / topo.intra_bw + g_intra) + \
+            h * (k - 1) * (bundle / topo.intra_bw + g_intra)
         gather = max(gather, max(send, recv) + copy(h * buffer))
         # (c) scatter: the mirror image (the aggregator unpacks and sends k-1 bundles per node)
         scatter = max(scatter, copy(h * buffer) + max(
-            h * (k - 1) * (bundle / topo.intra_bw + topo.intra_latency),
-            (R - h) * (bundle / topo.intra_bw + topo.intra_latency)))
-    # (b) exchange: local rank j's messages go out through NIC j mod nics; the busiest NIC bounds.
+            h * (k - 1) * (bundle / topo.intra_bw + g_intra),
+            (R - h) * (bundle / topo.intra_bw + g_intra)))
+    gather += topo.intra_latency
+    scatter += topo.intra_latency
+    # (b) exchange: local rank j's messages go out through NIC j mod nics; the busiest NIC bounds;
+    # one latency and one buffer's checksums (the aggregator's messages stream one after another)
     per_nic = [0] * topo.nics_per_node
     for j in range(k):
         per_nic[j % topo.nics_per_node] += aggregated_nodes(j, k, R)
     lat = topo.inter_latency + _switch_extra(N, topo)
-    exchange = max(per_nic) * (buffer / topo.nic_bw + lat)
+    exchange = max(per_nic) * (buffer / topo.nic_bw + g_inter) + lat + _digest(buffer, topo)
     return gather, exchange, scatter
 
 
