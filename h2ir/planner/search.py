@@ -69,6 +69,7 @@ class PlanSpace:
     split_types: bool = True     # a chip type in two contiguous blocks of stages (A-B-A)
     schedules: tuple | None = None   # schedules to search; None: the one passed to `search`
     mixed_ep: bool = True        # MoE: an EP degree per chip type (False: one for every stage)
+    ep_local: bool = True        # MoE: EP groups inside one node (False: they may cross NICs)
 
 
 @dataclass(frozen=True)
@@ -786,6 +787,14 @@ def ep_local(cluster: Cluster, shapes, dp: int, eps) -> bool:
     return ok
 
 
+def _aligned(cluster: Cluster, chip: str, per_replica: int, opts: list[int]) -> list[int]:
+    """The EP degrees whose groups are node-local when a type's `per_replica` chips are all used:
+    ep consecutive replicas fill whole chips of a node and never straddle two (ep * per_replica
+    divides every node group's chips per node; worker_hosts numbers a type's chips from 0)."""
+    cpns = {g.chips_per_node for g in cluster.groups_of(chip)}
+    return [e for e in opts if e == 1 or all(n % (e * per_replica) == 0 for n in cpns)] or [1]
+
+
 def _a2a_choice(rm: ResourceModel, cluster: Cluster, eps: dict, tps: dict) -> str:
     """flat or HALO, whichever `moe_a2a_pass_time` says is faster summed over the chip types (at
     the geometry of consecutive replicas; on one node both are the flat all-to-all)."""
@@ -1301,7 +1310,11 @@ class _Search:
                 return
         if not budgets:
             return
-        opts = {c: ep_options(self.cluster, self.costs, dp, c, tps[c], self.max_ep) for c in budgets}
+        loc = self.space.ep_local
+        opts = {c: ep_options(self.cluster, self.costs, dp, c, tps[c], self.max_ep, loc)
+                for c in budgets}
+        if loc:
+            opts = {c: _aligned(self.cluster, c, B, opts[c]) for c, B in budgets.items()}
         la = rm.la
         # model states a replica must hold: experts divide by EP (at most the largest option)
         need = (float(la.dense_params.sum())
@@ -1325,8 +1338,8 @@ class _Search:
         if not _moe_layers(self.costs):
             return [{}]
         out = [{c: e for c in budgets} for e in sorted(set.intersection(*map(set, opts.values())))]
-        out.append({c: max(o) for c, o in opts.items()})
         if self.space.mixed_ep and len(budgets) > 1:
+            out.append({c: max(o) for c, o in opts.items()})
             S = sum(B // min(tps[c]) for c, B in budgets.items())
             infl = m if sched == "gpipe" else max(1, min(m, S // 2))
             memo: dict = {}
@@ -1369,7 +1382,7 @@ class _Search:
             order = list(memory_order(self.cluster, list(seqs)))
 
             def score(shapes):
-                if not ep_local(self.cluster, shapes, dp, eps):
+                if self.space.ep_local and not ep_local(self.cluster, shapes, dp, eps):
                     return math.inf
                 line = self._line(sched, mb, dp, m, shapes, moe, eps, placed=False)
                 r = line.min_bottleneck()
@@ -1401,7 +1414,7 @@ class _Search:
                               f"{EXHAUSTIVE_LINE_LIMIT:,} per line and {EXHAUSTIVE_TOTAL_LIMIT:,} "
                               f"in all", hint="use --search heuristic")
         for shapes in lines:
-            if len(shapes) > L or not ep_local(self.cluster, shapes, dp, eps):
+            if len(shapes) > L or (self.space.ep_local and not ep_local(self.cluster, shapes, dp, eps)):
                 continue
             line = self._line(sched, mb, dp, m, shapes, moe, eps)
             self.lines += 1
