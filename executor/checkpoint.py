@@ -121,6 +121,7 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
     moe = getattr(worker, "moe", None)
     if moe:                          # expert placement after migrations (executor/experts.py)
         meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
+        meta["moe_load_ema"] = {p: [float(x) for x in v] for p, v in moe.load_ema.items()}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
 
@@ -155,6 +156,9 @@ def load_worker_checkpoint(d: Path, worker) -> None:
             raise H2Error("checkpoint's expert placement does not fit this build's MoE layers",
                           str(mf))
         moe.placement = {p: [int(e) for e in o] for p, o in placement.items()}
+        moe.step_placement = {p: list(o) for p, o in moe.placement.items()}
+        moe.load_ema = {p: [float(x) for x in v]
+                        for p, v in (meta.get("moe_load_ema") or {}).items()}
         worker.set_placement_consts(moe.placement)
 
 

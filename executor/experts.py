@@ -6,11 +6,13 @@ the TP group (executor/redistribute.py), `ep_all_to_all` to the EP group over Di
 HALO, as the plan says), `moe_stats` adds one micro-batch's per-expert token counts to the
 step's loads.
 
-Migration. Every `migrate` instruction (an EP stage's step end, h2ir/schedule/streams.py) on a
-step the policy selects (`periodic(N)`: every N-th step) sums the loads over the stage's
-replicas — every rank then holds the same numbers and takes the same decision, so no
-coordinator is needed. Per MoE layer, the load of an EP rank is the sum over the experts in its
-slots; when max/mean across ranks exceeds the plan's threshold, a greedy hill-climb (Piper's:
+Migration. Every `migrate` instruction (an EP stage's step end, h2ir/schedule/streams.py) sums
+the step's loads over the stage's replicas — every rank then holds the same numbers and takes
+the same decision, so no coordinator is needed — and folds them into a moving average (weight
+LOAD_EMA for the newest step: one step's tokens are a noisy sample of where the router sends
+them, and the router keeps learning). On a step the policy selects (`periodic(N)`: every N-th
+step), per MoE layer, the load of an EP rank is the sum of the averaged loads of the experts in
+its slots; when max/mean across ranks exceeds the plan's threshold, a greedy hill-climb (Piper's:
 move the heaviest rank's expert / swap with the lightest rank's expert while the maximum
 falls) finds a new placement, and each expert that changes rank is sent with its AdamW state
 (exp_avg, exp_avg_sq) to its new rank. The step-count of AdamW is the worker's, the same for
@@ -24,6 +26,8 @@ import numpy as np
 
 from executor.redistribute import TPGroupComm
 from h2ir.errors import H2Error
+
+LOAD_EMA = 0.5          # weight of the newest step in the loads migration decides on
 
 
 def rank_loads(loads: np.ndarray, placement: list[int], ep: int) -> np.ndarray:
@@ -82,12 +86,15 @@ class MoEState:
         self.params = {path: list(e["params"]) for path, e in experts.items()}
         self.num_experts = {path: int(e["experts"]) for path, e in experts.items()}
         self.migrations = 0
+        self.load_ema: dict[str, list[float]] = {}       # layer -> averaged loads (all replicas)
         self.reset()
 
     def __bool__(self) -> bool:
         return bool(self.placement)
 
     def reset(self):
+        # the placement this step computes with (a migration at its end changes the next one's)
+        self.step_placement = {p: list(o) for p, o in self.placement.items()}
         self.loads = {p: np.zeros(n, dtype=np.int64) for p, n in self.num_experts.items()}
         self.dropped = {p: 0 for p in self.num_experts}
         self.capacity = {}
@@ -108,8 +115,8 @@ class MoEState:
         for p in sorted(self.loads):
             out[p] = {"load": [int(x) for x in self.loads[p]], "dropped": int(self.dropped[p]),
                       "capacity": self.capacity.get(p)}
-            if p in self.placement and self.ep > 1:
-                out[p]["placement"] = list(self.placement[p])
+            if p in self.step_placement and self.ep > 1:
+                out[p]["placement"] = list(self.step_placement[p])
                 out[p]["ep"] = self.ep
             if p in self.migrated:
                 out[p]["migrated"] = self.migrated[p]
@@ -158,24 +165,34 @@ class StageComm:
         return self.be.from_numpy(out, dtype_of_host(out.dtype))
 
 
-def migrate_experts(worker, moe: MoEState, dp_group: list[int], ep_group: list[int],
-                    threshold: float) -> dict:
-    """Sum the step's loads over the stage's replicas and move experts where a layer's max/mean
-    rank load exceeds `threshold` (see the module docstring). Returns {layer: what moved}."""
-    comm = worker.comm
+def update_loads(worker, moe: MoEState, dp_group: list[int]) -> dict:
+    """Sum the step's loads over the stage's replicas and fold them into `moe.load_ema`;
+    returns the averaged loads per layer (the same on every replica)."""
     layers = sorted(moe.placement)
     if not layers:
         return {}
     flat = np.concatenate([moe.loads[p].astype(np.float64) for p in layers])
     if len(dp_group) > 1:
-        comm.all_reduce([flat], group=list(dp_group), op="sum")
-    ep, me = len(ep_group), ep_group.index(worker.wid)
-    per_layer, off = {}, 0
+        worker.comm.all_reduce([flat], group=list(dp_group), op="sum")
+    off = 0
     for p in layers:
         n = moe.num_experts[p]
-        per_layer[p], off = flat[off:off + n], off + n
+        step = flat[off:off + n]
+        off += n
+        old = moe.load_ema.get(p)
+        moe.load_ema[p] = list(step if old is None else
+                               (1 - LOAD_EMA) * np.asarray(old) + LOAD_EMA * step)
+    return {p: np.asarray(moe.load_ema[p]) for p in layers}
+
+
+def migrate_experts(worker, moe: MoEState, ep_group: list[int], threshold: float) -> dict:
+    """Move experts where a layer's max/mean rank load (averaged loads) exceeds `threshold`
+    (see the module docstring). Returns {layer: what moved}."""
+    layers = sorted(moe.placement)
+    per_layer = {p: np.asarray(moe.load_ema[p]) for p in layers if p in moe.load_ema}
+    ep, me = len(ep_group), ep_group.index(worker.wid)
     moved = {}
-    for p in layers:
+    for p in per_layer:
         old = moe.placement[p]
         before = imbalance(per_layer[p], old, ep)
         if before <= threshold:

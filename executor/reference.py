@@ -16,9 +16,11 @@ from executor.data import TokenBatches, load_corpus
 
 
 def eager_losses(build_path: str, steps: int, data: str | None = None, threads: int = 1,
-                 timings: list | None = None, model_args: dict | None = None) -> list[float]:
+                 timings: list | None = None, model_args: dict | None = None,
+                 prepare=None) -> list[float]:
     """Losses of `steps` eager steps; `model_args` overrides some of the build's model
-    arguments (e.g. moe_tiny's dense reference form: {"routing": "dense"})."""
+    arguments (e.g. moe_tiny's dense reference form: {"routing": "dense"}); `prepare(model)`
+    may change the built model before training (tests install reference forwards)."""
     from frontend.capture import load_model_file
     b = BuildDir(build_path)
     m = b.manifest
@@ -26,6 +28,8 @@ def eager_losses(build_path: str, steps: int, data: str | None = None, threads: 
     torch.set_num_threads(threads)
     torch.manual_seed(m["seed"])
     model = mf.build({**m["model"]["args"], **(model_args or {})})
+    if prepare is not None:
+        prepare(model)
     loss_fn = mf.loss_fn()
     o = m["optimizer"]
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],

@@ -32,7 +32,7 @@ from backends.base import run_program
 from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
-from executor.experts import MoEState, StageComm, migrate_experts
+from executor.experts import MoEState, StageComm, migrate_experts, update_loads
 from executor.redistribute import recv_shares, send_shares
 from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
@@ -279,12 +279,13 @@ class Worker(StreamInterpreter):
 
     def migrate(self, ins):
         m = self.build.manifest.get("moe") or {}
+        dp_group = [w["id"] for w in self.build.workers
+                    if w["stage"] == self.stage_idx and int(w.get("tp_rank", 0)) == self.tp_rank]
+        update_loads(self, self.moe, dp_group)
         every = int(m.get("migration_every") or 0)
         if m.get("migration") != "periodic" or not every or (self.step + 1) % every:
             return
-        dp_group = [w["id"] for w in self.build.workers
-                    if w["stage"] == self.stage_idx and int(w.get("tp_rank", 0)) == self.tp_rank]
-        migrate_experts(self, self.moe, dp_group, list(ins.group), float(m.get("threshold", 1.3)))
+        migrate_experts(self, self.moe, list(ins.group), float(m.get("threshold", 1.3)))
 
     def set_placement_consts(self, placements: dict):
         """The programs' placement constants for `placements` (module path -> expert per slot)."""

@@ -580,6 +580,9 @@ ATEN: dict = {
     aten.sum.default: lambda em, x, dtype=None: _reduce("sum")(em, x, None, False, dtype),
     aten.mean.default: lambda em, x, dtype=None: _reduce("mean")(em, x, None, False, dtype),
     aten.amax.default: _reduce("amax"), aten.amin.default: _reduce("amin"),
+    # all(x): the minimum of x as 0/1 (AOTAutograd's index bounds checks of MoE backwards)
+    aten.all.default: lambda em, x: em("cast", _reduce("amin")(em, em("cast", x, dtype="i64")),
+                                       dtype="bool"),
     aten.mm.default: lambda em, a, b: em("mm", a, b),
     aten.bmm.default: lambda em, a, b: em("bmm", a, b),
     aten.matmul.default: _matmul,

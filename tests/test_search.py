@@ -184,10 +184,10 @@ def test_gpipe_and_moe_plans_are_costed():
     r = search(costs, cl, 16, schedule="gpipe")
     assert r.plan.schedule == "gpipe"
     check_plan_is_sound(r.plan, costs, cl)
-    if r.plan.dp > 1:
-        assert r.plan.moe is not None and r.plan.moe.ep > 1
     r2 = search(costs, cl, 16, dp_options=[4])
-    assert r2.plan.dp == 4 and r2.plan.moe.ep == 4 and r2.plan.moe.a2a in ("flat", "halo")
+    # the EP degree of each stage is chosen by cost (it divides dp), not always the largest
+    assert r2.plan.dp == 4 and r2.plan.moe is not None and r2.plan.moe.a2a in ("flat", "halo")
+    assert all(4 % r2.plan.stage_ep(j) == 0 for j in range(r2.plan.num_stages))
 
 
 def test_no_fit_is_an_error():
