@@ -283,7 +283,7 @@ def build(tmp_path_factory):
     return b
 
 
-@pytest.mark.parametrize("kind", ["tokens", "text"])
+@pytest.mark.parametrize("kind", ["tokens", pytest.param("text", marks=pytest.mark.slow)])
 def test_h2x_run_on_real_data_resumes_exactly(tmp_path, kind, build, text_path, tok_path):
     b = tmp_path / "b"
     shutil.copytree(build, b)

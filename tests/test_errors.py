@@ -178,8 +178,8 @@ def test_missing_model_file(tmp_path):
 
 @pytest.mark.parametrize("output, picked", [
     ("(self.head(x), x)", '"tuple[0]"'),
-    ("{'hidden': x, 'logits': self.head(x)}", "dict.logits"),
-    ("(None, self.head(x))", '"tuple[1]"'),
+    pytest.param("{'hidden': x, 'logits': self.head(x)}", "dict.logits", marks=pytest.mark.slow),
+    pytest.param("(None, self.head(x))", '"tuple[1]"', marks=pytest.mark.slow),
 ])
 def test_logits_are_picked_from_a_tuple_or_dict_and_the_ir_says_which(tmp_path, output, picked):
     f = model_file(tmp_path, output=output)

@@ -158,6 +158,7 @@ def test_cli_ir_file_round_trip(tmp_path):
     assert r2.stdout == out.read_text()
 
 
+@pytest.mark.slow          # ~16 s on 2 cores
 def test_llama_100b_summary_json():
     """H2's evaluation model: 96 blocks + embed + head, 113.27 B params, ~1e13 FLOPs per block."""
     import resource

@@ -54,6 +54,7 @@ def train_and_compare(tmp_path: Path, family: str, attn: str, backend: str, extr
     return worst
 
 
+@pytest.mark.slow          # ~40 s on 2 cores
 def test_llama_gqa_default_attention_trains_on_both_backends(tmp_path):
     for backend in ("torch", "numpy"):
         train_and_compare(tmp_path / backend, "llama", "sdpa", backend)

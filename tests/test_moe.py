@@ -73,7 +73,12 @@ def _ep_matches_dense(tmp, name, steps):
             assert sum(m["load"]) == 8 * 32 * 2            # tokens x top-2 per step
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# the mixed pipeline by default (both backends, EP inside a pipeline); the others in test-slow
+FAST = "2 stages x ep2 torch+numpy"
+
+
+@pytest.mark.parametrize("name", [FAST] + [pytest.param(n, marks=pytest.mark.slow)
+                                          for n in CONFIGS if n != FAST])
 def test_moe_tiny_expert_parallel_equals_dense_reference(tmp_path, name):
     _ep_matches_dense(tmp_path, name, 3)
 
@@ -176,7 +181,7 @@ def test_migration_balances_a_skewed_router_and_keeps_losses(tmp_path):
 
 # ---- transformers MoE families -----------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_transformers_moe_with_ep2_matches_eager(tmp_path, family):
     pytest.importorskip("transformers")
     plan = _plan(tmp_path, HF, TORCH4, 2, [("cpu-torch", "embed, 0"), ("cpu-torch", "1, head")],

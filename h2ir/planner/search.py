@@ -248,13 +248,16 @@ _SCORES: dict = {}
 def _score_bytes(rm: ResourceModel, chip, tp: int) -> np.ndarray:
     """Per layer, the attention-score bytes one micro-batch keeps on `chip` at `tp`
     (resource.attention_score_bytes), memoised per layer arrays."""
+    # keyed by id() but holding the object: an id is reused once its object is collected, so
+    # the hit must be the same object, not only the same id
     key = (id(rm.la), chip.name, chip.fused_attention, tp)
-    if key not in _SCORES or len(_SCORES[key]) != rm.L:
+    hit = _SCORES.get(key)
+    if hit is None or hit[0] is not rm.la:
         if len(_SCORES) > 4096:
             _SCORES.clear()
-        _SCORES[key] = np.array([attention_score_bytes(rm.la, chip, tp, i, i + 1)
-                                 for i in range(rm.L)])
-    return _SCORES[key]
+        hit = _SCORES[key] = (rm.la, np.array([attention_score_bytes(rm.la, chip, tp, i, i + 1)
+                                               for i in range(rm.L)]))
+    return hit[1]
 
 
 @lru_cache(maxsize=16)
@@ -767,8 +770,8 @@ def ep_local(cluster: Cluster, shapes, dp: int, eps) -> bool:
         return True
     key = (id(cluster), shapes, dp, tuple(per))
     hit = _EP_LOCAL.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is cluster:      # the same object, not a reused id
+        return hit[1]
     if len(_EP_LOCAL) > 65536:
         _EP_LOCAL.clear()
     # necessary: a group's members are a replica's chips of the type apart
@@ -783,7 +786,7 @@ def ep_local(cluster: Cluster, shapes, dp: int, eps) -> bool:
         ok = all(len({hosts[w] for w in grp}) == 1
                  for j, e in enumerate(per) if e > 1
                  for k in range(lay.tps[j]) for grp in ep_groups(lay, j, e, k))
-    _EP_LOCAL[key] = ok
+    _EP_LOCAL[key] = (cluster, ok)
     return ok
 
 
