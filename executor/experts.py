@@ -127,8 +127,10 @@ class StageComm:
     """The comm hook of one worker's stage programs: TP collectives, EP all-to-alls, MoE loads."""
 
     def __init__(self, comm_of, be, *, tp_group: list[int], tp_rank: int, ep_group: list[int],
-                 a2a: str = "flat", hosts: list[int] | None = None, moe: MoEState | None = None):
+                 a2a: str = "flat", hosts: list[int] | None = None, moe: MoEState | None = None,
+                 loss_scale: float = 1.0):
         self.comm_of, self.be = comm_of, be
+        self.loss_scale = float(loss_scale)      # one micro-batch's loss gradient (1/m)
         self.tp = TPGroupComm(comm_of, be, tp_group, tp_rank) if len(tp_group) > 1 else None
         self.ep_group, self.a2a, self.hosts = list(ep_group), a2a, hosts
         self.moe = moe
@@ -145,6 +147,8 @@ class StageComm:
             return inputs[0]
         if op == "ep_all_to_all":
             return self._all_to_all(inputs[0], attrs["size"])
+        if op == "moe_aux_scale":
+            return self.be.from_numpy(np.array(self.loss_scale, dtype=np.float32), "f32")
         raise RuntimeError(f"no runtime implementation for program op {op}")
 
     def _all_to_all(self, x, size: int):

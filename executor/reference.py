@@ -37,6 +37,8 @@ def eager_losses(build_path: str, steps: int, data: str | None = None, threads: 
     batches = TokenBatches(load_corpus(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
                            m["dp"], m["seed"])
     n = m["dp"] * m["num_microbatches"]
+    from frontend.moe import set_aux_loss_scale
+    set_aux_loss_scale(1.0 / n)          # routers' auxiliary losses weighted like the loss
     losses = []
     for step in range(steps):
         t0 = time.perf_counter()

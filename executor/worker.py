@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.base import run_program
+from backends.base import comm_ops, run_program
 
 from backends.registry import get_backend
 from executor.build import BuildDir
@@ -76,8 +76,8 @@ class Worker(StreamInterpreter):
                                  tp_rank=self.tp_rank, ep_group=self.ep_group,
                                  a2a=moe_cfg.get("a2a", "flat"),
                                  hosts=[build.workers[g].get("host", 0) for g in self.ep_group],
-                                 moe=self.moe) \
-            if len(self.tp_group) > 1 or stage_moe else None
+                                 moe=self.moe, loss_scale=1.0 / self.m) \
+            if len(self.tp_group) > 1 or stage_moe or comm_ops(st.fwd) | comm_ops(st.bwd) else None
         self.sent_bytes = {"act": 0, "grad": 0}    # boundary bytes this worker sent (per step)
         weights = build.path / w["weights"] if w.get("weights") else st.weights
         from safetensors.numpy import load_file

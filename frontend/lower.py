@@ -667,6 +667,10 @@ ATEN: dict = {
     "h2moe::all_to_all": lambda em, x, size: em("ep_all_to_all", x, size=size),
     "h2moe::stats": lambda em, x, counts, capacity, layer: em("moe_stats", x, counts,
                                                               capacity=capacity, layer=layer),
+    # the auxiliary loss (frontend/moe.py): identity forward; its backward asks the runtime
+    # for this micro-batch's loss-gradient scale
+    "h2moe::attach_aux": lambda em, x, aux, coef: x,
+    "h2moe::aux_scale": lambda em, anchor: em("moe_aux_scale"),
 }
 # In-place ATen ops that torch.export graphs keep: lowered as their functional form.
 for _fn_op, _ip_op in [(aten.div.Tensor, aten.div_.Tensor), (aten.div.Scalar, aten.div_.Scalar),

@@ -90,6 +90,75 @@ def _no_context(ctx, inputs, output):
 
 stats.register_autograd(lambda ctx, g: (g, None, None, None), setup_context=_no_context)
 
+# ---- the auxiliary load-balancing loss ----------------------------------------------------------
+# The loss the pipeline trains on is the last stage's; a router's auxiliary loss is made in an
+# earlier stage. So it is not added to that loss: its gradient is injected where it is made
+# (as Megatron-LM's MoEAuxLossAutoScaler does). `attach_aux_loss(x, aux, coef)` is x; its
+# backward gives `aux` the gradient coef * s, where s is the scale the training loop gives each
+# micro-batch's loss (h2's workers: 1/m, before the data-parallel average; h2's eager
+# reference: 1/(dp*m), `set_aux_loss_scale`), so the aux loss is weighted like the loss.
+
+_AUX_SCALE = [1.0]
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The gradient scale of one micro-batch's loss in an eager training loop (default 1.0)."""
+    _AUX_SCALE[0] = float(scale)
+
+
+@torch.library.custom_op("h2moe::aux_scale", mutates_args=())
+def aux_scale(anchor: torch.Tensor) -> torch.Tensor:
+    """The loss-gradient scale of this micro-batch (an f32 scalar); h2 programs get it from the
+    runtime (the op set's `moe_aux_scale`)."""
+    return torch.tensor(_AUX_SCALE[0], dtype=torch.float32, device=anchor.device)
+
+
+@aux_scale.register_fake
+def _(anchor):
+    return torch.empty((), dtype=torch.float32, device=anchor.device)
+
+
+@torch.library.custom_op("h2moe::attach_aux", mutates_args=())
+def _attach_aux(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+    return x.clone()
+
+
+@_attach_aux.register_fake
+def _(x, aux, coef):
+    return torch.empty_like(x)
+
+
+def _attach_setup(ctx, inputs, output):
+    ctx.coef = inputs[2]
+    ctx.save_for_backward(inputs[1])
+
+
+def _attach_bwd(ctx, g):
+    (aux,) = ctx.saved_tensors
+    return g, (aux_scale(aux) * ctx.coef).to(aux.dtype).expand_as(aux), None
+
+
+_attach_aux.register_autograd(_attach_bwd, setup_context=_attach_setup)
+
+
+def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+    """x, with `coef * aux` trained as part of the loss (see above)."""
+    if coef == 0:
+        return x
+    return _attach_aux(x, aux, float(coef))
+
+
+def load_balancing_loss(probs: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4) for top-k routing, as
+    transformers' `load_balancing_loss_func` computes it: E * sum over k and e of (share of the
+    tokens whose k-th choice is e) * (mean router probability of e). probs [T, E], top_k_index
+    [T, k]; 1.0 when routing is uniform."""
+    mask = torch.nn.functional.one_hot(top_k_index, num_experts).to(probs.dtype)   # [T, k, E]
+    tokens_per_expert = mask.mean(dim=0)                                            # [k, E]
+    prob_per_expert = probs.mean(dim=0)                                             # [E]
+    return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * num_experts
+
+
 A2A_OP = torch.ops.h2moe.all_to_all.default
 STATS_OP = torch.ops.h2moe.stats.default
 

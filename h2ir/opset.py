@@ -682,6 +682,9 @@ _op("tp_rank", Group.COMM, [], {"size": REQUIRED},
 _op("ep_all_to_all", Group.COMM, ["x"], {"size": REQUIRED}, infer=_same, flops=_zero,
     doc="dim 0 split into `size` equal chunks, chunk j sent to rank j of the stage's EP group; "
         "the result's chunk r is what rank r sent (its own inverse)")
+_op("moe_aux_scale", Group.COMM, [], infer=lambda i, a: [TensorType("f32", ())], flops=_zero,
+    doc="this micro-batch's loss-gradient scale (the worker's 1/m), an f32 scalar: the "
+        "weight of a router's auxiliary loss in the backward")
 _op("moe_stats", Group.COMM, ["x", "counts"], {"capacity": REQUIRED, "layer": REQUIRED},
     infer=lambda i, a: [i[0]], flops=_zero,
     doc="x unchanged; the runtime records `counts` (tokens routed to each expert of MoE layer "

@@ -56,10 +56,14 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+# the mixed pipeline runs the other router: sigmoid scores, a shared expert, the aux loss
+ROUTER = {"2 stages x ep2 torch+numpy": {"scoring": "sigmoid", "shared": 1, "aux_loss": 0.01}}
+
+
 def _ep_matches_dense(tmp, name, steps):
     cluster, dp, stages = CONFIGS[name]
     plan = _plan(tmp, MOE_TINY, cluster, dp, stages, f"moe ep={dp}")
-    build = _build(tmp, MOE_TINY, SMALL, plan)
+    build = _build(tmp, MOE_TINY, {**SMALL, **ROUTER.get(name, {})}, plan)
     manifest = json.loads((Path(build) / "manifest.json").read_text())
     assert all(len(w["ep_group"]) == dp for w in manifest["workers"])
     res, log = _run(build, steps)
