@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 import msgpack
 import numpy as np
 
-from executor.dicomm import halo, handshake, rdma, shm
+from executor.dicomm import halo, handshake, rdma, ring, shm
 from executor.dicomm.errors import CommError
 from executor.dicomm.frame import contiguous, dtype_name, from_bf16, make_header, to_bf16
 from executor.dicomm.link import Frame, PeerFinished, StreamReceiver, StreamSender
@@ -114,6 +114,7 @@ class Comm:
         self._failed: dict[int, CommError] = {}
         self._incoming: dict[int, StreamReceiver] = {}
         self._outgoing: dict[int, StreamSender] = {}
+        self._rings: dict[int, ring.RingReader] = {}   # src -> ring of its shm link (ring.py)
         self._why: dict[int, str] = {}         # peer -> why its link is not self.requested
         self._held: dict[int, list[Frame]] = defaultdict(list)
         self._coll_seq: dict[tuple, int] = defaultdict(int)
@@ -350,26 +351,54 @@ class Comm:
             raise CommError(f"rank {src} is outside 0..{self.world_size - 1}")
         key = (src, kind, mb)
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                queue = self._inbox.get(key)
-                if queue:
-                    frame = queue.popleft()
-                    if not queue:
-                        del self._inbox[key]
+        while True:
+            with self._cv:
+                frame = self._pop(key)
+                if frame is not None:
                     return frame
-                if src in self._failed:
-                    raise CommError(f"rank {self.rank}: waiting for {kind!r} mb {mb} from rank "
-                                    f"{src}: {self._failed[src].message}", src)
-                self._check_open()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    never = "" if src in self._incoming else f"; rank {src} never connected"
-                    raise CommError(f"rank {self.rank}: no {kind!r} frame for micro-batch {mb} "
-                                    f"from rank {src} within {timeout:g} s{never}", src,
-                                    hint="the peer died, hung, or never sent it; a stage that "
-                                         "legitimately computes longer needs a larger timeout")
-                self._cv.wait(left)
+                link_ring = self._rings.get(src)
+                if link_ring is None:
+                    self._check_waiting(src, kind, mb, timeout, deadline)
+                    self._cv.wait(deadline - time.monotonic())
+                    continue
+            # A shm ring link: this thread reads the ring itself (no hand-off per frame); frames
+            # with other tags go to the inbox on the way. It stops to re-check the inbox (the
+            # link's reader thread drained the ring for a sender that found it full), a failure
+            # (only after the ring is empty: frames sent before a peer died are delivered) and
+            # the deadline.
+            frame = link_ring.take(lambda h: h.kind == kind and h.mb == mb, self._deliver,
+                                   deadline, lambda: key in self._inbox or src in self._failed
+                                   or self._closed)
+            if frame is not None:
+                return frame
+            with self._cv:
+                frame = self._pop(key)
+                if frame is not None:
+                    return frame
+                self._check_waiting(src, kind, mb, timeout, deadline)
+
+    def _pop(self, key) -> Frame | None:
+        queue = self._inbox.get(key)
+        if not queue:
+            return None
+        frame = queue.popleft()
+        if not queue:
+            del self._inbox[key]
+        return frame
+
+    def _check_waiting(self, src: int, kind: str, mb: int, timeout: float,
+                       deadline: float) -> None:
+        """Raise if waiting for (src, kind, mb) is hopeless: link failed, comm closed, deadline."""
+        if src in self._failed:
+            raise CommError(f"rank {self.rank}: waiting for {kind!r} mb {mb} from rank "
+                            f"{src}: {self._failed[src].message}", src)
+        self._check_open()
+        if deadline - time.monotonic() <= 0:
+            never = "" if src in self._incoming else f"; rank {src} never connected"
+            raise CommError(f"rank {self.rank}: no {kind!r} frame for micro-batch {mb} "
+                            f"from rank {src} within {timeout:g} s{never}", src,
+                            hint="the peer died, hung, or never sent it; a stage that "
+                                 "legitimately computes longer needs a larger timeout")
 
     def _deliver(self, frame: Frame) -> None:
         key = (frame.header.src, frame.header.kind, frame.header.mb)
@@ -385,6 +414,15 @@ class Comm:
                         err.message)
         with self._cv:
             self._failed.setdefault(src, err)
+            self._cv.notify_all()
+        link_ring = self._rings.get(src)
+        if link_ring is not None:
+            link_ring.ring()      # wake a recv sleeping on the ring's doorbell
+
+    def _ring_ready(self, receiver) -> None:
+        """A shm link's reader thread mapped the link's ring: recv reads it from now on."""
+        with self._cv:
+            self._rings[receiver.src] = receiver.ring
             self._cv.notify_all()
 
     # -- opening links ------------------------------------------------------------------------
@@ -559,8 +597,11 @@ class Comm:
         sock.settimeout(None)   # the reader waits as long as the run lasts; recv() has deadlines
         stream.peer = accepted.src
         kinds = {"tcp": StreamReceiver, "shm": shm.ShmReceiver, "rdma": rdma.RdmaReceiver}
+        extra = {"on_ring": self._ring_ready, "timeout": self.timeout} \
+            if accepted.transport == "shm" else {}
         receiver = kinds[accepted.transport](built.get("stream", stream), accepted.src, self.rank,
-                                             self._deliver, self._link_failed, accepted.keys)
+                                             self._deliver, self._link_failed, accepted.keys,
+                                             **extra)
         with self._cv:
             if self._closed:
                 receiver.close()

@@ -60,7 +60,9 @@ class StreamSender:
                              dtype=dtype)
         self._write(header, self.sealed(header.to_map()) + [payload_bytes(a)])
 
-    def _write(self, header: Header, parts, fds: tuple[int, ...] = ()) -> None:
+    def _write(self, header: Header, parts, fds: tuple[int, ...] = (), frame: bool = True) -> None:
+        """Write one message (or several); `frame`: it carries the frame `header` (counted in
+        seq), as opposed to a control message sent on its behalf (named after it in errors)."""
         try:
             self.stream.send_parts(parts, fds)
         except (socket.timeout, TimeoutError):
@@ -71,7 +73,8 @@ class StreamSender:
             raise CommError(f"rank {self.src}: sending {header.kind} mb {header.mb} to rank "
                             f"{self.dst} failed: {e.strerror or e} (rank {self.dst} died?)",
                             self.dst) from None
-        self.seq += 1
+        if frame:
+            self.seq += 1
 
     def close(self) -> None:
         try:  # tell the receiver this is a clean end, not a crash

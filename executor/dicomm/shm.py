@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from executor.dicomm import ring
 from executor.dicomm.errors import CommError
 from executor.dicomm.frame import (CONTROL, PREFIX_BYTES, Header, contiguous, decode_body,
                                    encode_message, make_header, parse_prefix, payload_array, payload_bytes)
@@ -92,17 +93,30 @@ class ShmSender(StreamSender):
     transport = "shm"
 
     def __init__(self, stream, src: int, dst: int, keys, timeout: float,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, use_ring: bool = True):
         super().__init__(stream, src, dst, keys)
         self._releases = Opener(keys.reverse, dst, f"{dst}->{src} (shm releases)")
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.segments: dict[int, _Segment] = {}
         self._next_id = 0
+        self.ring: ring.RingWriter | None = None
+        if use_ring and ring.available()[0]:
+            self.ring = ring.RingWriter(keys.forward, src, dst)
+            try:   # the ring and its doorbell reach the receiver before any frame
+                stream.send_parts(self.sealed({"op": "ring", "size": self.ring.size}, CONTROL),
+                                  self.ring.fds)
+            except BaseException:
+                self.ring.close()
+                raise
+            os.close(self.ring.fds[0])          # mapped on both ends now; the doorbell stays
+            self.ring.fds = self.ring.fds[1:]
 
     def send(self, array: np.ndarray, *, kind: str, stage: int, mb: int,
              dtype: str | None = None) -> None:
         a = contiguous(array)
+        if self.ring is not None:
+            return self._send_ring(a, kind, stage, mb, dtype)
         if a.nbytes <= INLINE_BYTES:
             return super().send(a, kind=kind, stage=stage, mb=mb, dtype=dtype)
         seg, fds = self._acquire(a.nbytes, kind, mb)
@@ -124,6 +138,51 @@ class ShmSender(StreamSender):
         if fds:
             os.close(seg.fd)
             seg.fd = -1
+
+    def _send_ring(self, a: np.ndarray, kind: str, stage: int, mb: int,
+                   dtype: str | None) -> None:
+        """One ring record per frame (ring.py): inline up to ring.INLINE_BYTES, else the payload
+        goes into a segment (mapped on the receiver first, over the socket) and the record
+        points at it. Neither payload is digested (module doc)."""
+        header = make_header(a, kind=kind, stage=stage, mb=mb, seq=self.seq, src=self.src,
+                             dtype=dtype, digest=b"")
+        payload = payload_bytes(a)
+        seg = None
+        if a.nbytes > ring.INLINE_BYTES:
+            seg, fds = self._acquire(a.nbytes, kind, mb)
+            np.copyto(seg.bytes[:a.nbytes], np.frombuffer(payload, dtype=np.uint8))
+            if fds:
+                self._write(header, self.sealed({"op": "map", "seg": seg.id, "size": seg.size},
+                                                CONTROL), fds, frame=False)
+                os.close(seg.fd)
+                seg.fd = -1
+            payload = None
+        head, length = self.ring.record(
+            seq=self.seq, kind=header.kind, stage=header.stage, mb=header.mb, dtype=header.dtype,
+            shape=header.shape, nbytes=header.nbytes,
+            segment=seg.id if seg is not None else -1)
+        self._wait_for_ring(length, header)
+        if seg is not None:
+            seg.busy = True
+        self.ring.put(head, length, payload)
+        self.seq += 1
+
+    def _wait_for_ring(self, length: int, header: Header) -> None:
+        """Room for one record; a full ring is drained by the receiver's reader thread on request,
+        so this waits only for that thread (or the receiver's own recv), never for its compute."""
+        if self.ring.fits(length):
+            return
+        self._write(header, self.sealed({"op": "drain"}, CONTROL), frame=False)
+        deadline = time.monotonic() + self.timeout
+        pause = 20e-6
+        while not self.ring.fits(length):
+            if time.monotonic() > deadline:
+                raise CommError(f"rank {self.src}: sending {header.kind} mb {header.mb} to rank "
+                                f"{self.dst} timed out: its shm ring stayed full for "
+                                f"{self.timeout} s (rank {self.dst} stopped reading?)", self.dst)
+            self._drain_releases(0.0)           # also notices a receiver that died
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
     def _acquire(self, nbytes: int, kind: str, mb: int) -> tuple[_Segment, tuple[int, ...]]:
         size = max(MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length())
@@ -193,15 +252,27 @@ class ShmSender(StreamSender):
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()
+        if self.ring is not None:
+            self.ring.close()
 
 
 class ShmReceiver(StreamReceiver):
+    """Reader thread of a shm link: applies its control messages (ring, map, drop, drain, bye).
+    With a ring (ring.py), the frames themselves are taken from the ring by the Comm's thread;
+    `on_ring(receiver)` tells the Comm when the ring is mapped."""
+
     transport = "shm"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, stream, src: int, dst: int, deliver, fail, keys, *, on_ring=None,
+                 timeout: float = 10.0):
+        super().__init__(stream, src, dst, deliver, fail, keys)
         self.segments: dict[int, mmap.mmap] = {}
         self._release_lock = threading.Lock()
+        self._mapped = threading.Condition()
+        self._forward_key = keys.forward
+        self._on_ring = on_ring
+        self.timeout = timeout
+        self.ring: ring.RingReader | None = None
 
     def on_control(self, body: dict) -> None:
         op, seg_id = body.get("op"), body.get("seg")
@@ -211,19 +282,62 @@ class ShmReceiver(StreamReceiver):
                 if os.fstat(fd).st_size < body["size"]:
                     raise CommError(f"rank {self.src} passed a shm segment smaller than it "
                                     f"announced", self.src)
-                self.segments[seg_id] = mmap.mmap(fd, body["size"], prot=mmap.PROT_READ)
+                with self._mapped:
+                    self.segments[seg_id] = mmap.mmap(fd, body["size"], prot=mmap.PROT_READ)
+                    self._mapped.notify_all()
             finally:
                 os.close(fd)
+        elif op == "ring" and self.ring is None and self._on_ring is not None \
+                and type(body.get("size")) is int and 1 << 16 <= body["size"] <= 1 << 30 \
+                and body["size"] % 8 == 0:
+            ring_fd, doorbell = self.stream.take_fd(), self.stream.take_fd()
+            try:
+                self.ring = ring.RingReader(ring_fd, doorbell, body["size"], self._forward_key,
+                                            self.src, self.dst, self._ring_segment)
+            except BaseException:
+                os.close(doorbell)
+                raise
+            finally:
+                os.close(ring_fd)
+            self._on_ring(self)
+        elif op == "drain" and self.ring is not None:
+            # The sender found the ring full: move what is there into the inbox (stopping at a
+            # record whose segment this thread has not mapped yet: its map is still queued).
+            self.ring.poll(None, self._deliver, wait_for_segments=False)
+            self.ring.ring()
         elif op == "drop" and seg_id in self.segments:
             _close_mapping(self.segments.pop(seg_id))
         else:
             super().on_control(body)
 
     def place(self, header: Header) -> Frame:
+        if self.ring is not None:
+            raise CommError(f"rank {self.src} sent a frame on the control socket of a shm ring "
+                            f"link", self.src)
         if header.at is None:
             return super().place(header)
+        return self._segment_frame(header, self.segments.get(header.at[0]))
+
+    def _ring_segment(self, header: Header, wait: bool) -> Frame | None:
+        """The frame of a ring record that points into a segment. The segment's map message was
+        sent before the record; unless `wait`, None if this thread has not applied it yet."""
+        seg_id = header.at[0]
+        deadline = time.monotonic() + self.timeout
+        with self._mapped:
+            while seg_id not in self.segments and wait:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closing or not self._thread.is_alive():
+                    raise CommError(f"corrupt frame from rank {self.src}: {header.kind} mb "
+                                    f"{header.mb} points at shm segment {seg_id}, which it never "
+                                    f"passed", self.src)
+                self._mapped.wait(min(left, 0.05))
+            mm = self.segments.get(seg_id)
+        if mm is None:
+            return None
+        return self._segment_frame(header, mm)
+
+    def _segment_frame(self, header: Header, mm) -> Frame:
         seg_id, offset = header.at
-        mm = self.segments.get(seg_id)
         if mm is None or offset + header.nbytes > len(mm):
             raise CommError(f"corrupt frame from rank {self.src}: {header.kind} mb {header.mb} "
                             f"points at segment {seg_id} bytes {offset}..{offset + header.nbytes}, "
@@ -251,6 +365,8 @@ class ShmReceiver(StreamReceiver):
 
     def close(self) -> None:
         super().close()
+        if self.ring is not None:
+            self.ring.close()
         for mm in self.segments.values():
             _close_mapping(mm)
         self.segments.clear()
