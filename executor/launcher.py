@@ -509,6 +509,7 @@ def _write_trace(build, run_dir: Path, path: str):
         names[w] = f"w{w} stage {info['stage']} ({info['backend']})"
         if not f.exists():
             continue
-        for lane, name, start, dur, step in json.loads(f.read_text()):
-            events.append(TraceEvent(w, lane, name, start, dur, {"step": step + 1}))
+        for lane, name, start, dur, step, *counters in json.loads(f.read_text()):
+            events.append(TraceEvent(w, lane, name, start, dur,
+                                     counters[0] if counters else {"step": step + 1}))
     Path(path).write_text(json.dumps(chrome_trace(events, names, {"kind": "measured"})))

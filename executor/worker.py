@@ -326,6 +326,10 @@ class Worker(StreamInterpreter):
                 ev["loss"] = float(np.mean(self.losses))
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
+                t = time.perf_counter() - self.t_origin     # loads as trace counters
+                for layer, r in ev["moe"].items():
+                    self.trace.append(("counter", f"tokens per expert {layer}", t, 0.0, step,
+                                       {f"e{i}": n for i, n in enumerate(r["load"])}))
             self.emit(ev)
             gc.collect(0)
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:

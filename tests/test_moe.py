@@ -119,7 +119,14 @@ def test_capacity_drops_equal_an_independent_count(tmp_path):
     args = {**SMALL, "skew": 1.5, "hot": 1}          # a router leaning on expert 0: it overflows
     build = _build(tmp_path, MOE_TINY, args, plan)
     steps = 3
-    _, log = _run(build, steps)
+    trace = Path(build) / "trace.json"
+    _, log = _run(build, steps, trace=str(trace))
+    # the loads are in the trace too, as counter tracks (one per MoE layer and worker)
+    counters = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "C"]
+    assert len(counters) == steps * 2 * 2           # steps x workers x MoE layers
+    last = {e["pid"]: e for e in counters if e["name"].endswith("layers.1.moe.experts")}
+    assert [sum(x) for x in zip(*[list(e["args"].values()) for e in last.values()])] == \
+        log[-1]["moe"]["layers.1.moe.experts"]["load"]
     counter = {"factor": 1.0, "dropped": 0}
 
     def prepare(model):

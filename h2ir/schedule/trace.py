@@ -12,7 +12,7 @@ LANES = ("compute", "comm")
 @dataclass(frozen=True)
 class TraceEvent:
     worker: int
-    lane: str              # 'compute' | 'comm'
+    lane: str              # 'compute' | 'comm' | 'counter' (a value track: args are its series)
     name: str              # 'F3', 'B3', 'send_act 3', 'all_reduce grads', 'opt_step'
     start_s: float
     dur_s: float
@@ -24,7 +24,7 @@ def chrome_trace(events: list[TraceEvent], worker_names: dict[int, str] | None =
     """Chrome/Perfetto trace JSON: one process per worker, one thread per lane, 'X' events in µs."""
     out = []
     workers = sorted({e.worker for e in events} | set(worker_names or {}))
-    lanes = list(LANES) + sorted({e.lane for e in events} - set(LANES))
+    lanes = list(LANES) + sorted({e.lane for e in events} - set(LANES) - {"counter"})
     for w in workers:
         out.append({"ph": "M", "name": "process_name", "pid": w, "tid": 0,
                     "args": {"name": (worker_names or {}).get(w, f"w{w}")}})
@@ -33,6 +33,10 @@ def chrome_trace(events: list[TraceEvent], worker_names: dict[int, str] | None =
             out.append({"ph": "M", "name": "thread_name", "pid": w, "tid": i, "args": {"name": lane}})
     tid = {lane: i for i, lane in enumerate(lanes)}
     for e in sorted(events, key=lambda e: (e.worker, e.start_s)):
+        if e.lane == "counter":          # a counter track (e.g. a MoE layer's tokens per expert)
+            out.append({"ph": "C", "name": e.name, "pid": e.worker,
+                        "ts": round(e.start_s * 1e6, 3), "args": e.args or {}})
+            continue
         ev = {"ph": "X", "name": e.name, "pid": e.worker, "tid": tid[e.lane],
               "ts": round(e.start_s * 1e6, 3), "dur": round(e.dur_s * 1e6, 3),
               "cat": e.lane}
