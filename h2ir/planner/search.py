@@ -371,14 +371,30 @@ class StageLine:
         self.grad_bytes = rm.la.grad_bytes
         # the simulator's p2p: the whole boundary tensor over LinePlacement.boundary's path
         self.bout = rm.la.out.tolist()
-        self.place = rm.placement(self.shapes, self.dp) if placed else None
-        if placed:
-            self.link = [self.place.boundary(j) for j in range(S - 1)]
-        else:
-            self.link = [p2p_link(rm.cluster, *self.shapes[j], *self.shapes[j + 1], self.dp)
-                         for j in range(S - 1)]
+        self.placed = placed
+        self._place = self._link = None
         self._lb = None
         self._tail_cache: dict = {}
+
+    # the links are built when first needed: `bound` (compute and memory only) does not read
+    # them, and most lines of a large space are bounded and never split (placing one line of
+    # hundreds of workers costs milliseconds)
+    @property
+    def place(self):
+        if self._place is None and self.placed:
+            self._place = self.rm.placement(self.shapes, self.dp)
+        return self._place
+
+    @property
+    def link(self) -> list:
+        if self._link is None:
+            S, rm = self.S, self.rm
+            if self.placed:
+                self._link = [self.place.boundary(j) for j in range(S - 1)]
+            else:
+                self._link = [p2p_link(rm.cluster, *self.shapes[j], *self.shapes[j + 1], self.dp)
+                              for j in range(S - 1)]
+        return self._link
 
     def stage(self, j: int, a: int, b: int):
         return self.kinds[j].stage(a, b)
@@ -780,7 +796,13 @@ def ep_local(cluster: Cluster, shapes, dp: int, eps) -> bool:
         used[c] = used.get(c, 0) + t
     ok = all(dp % e == 0 and (e - 1) * used[c] + t <= max(g.chips_per_node for g in cluster.groups_of(c))
              for (c, t), e in zip(shapes, per) if e > 1)
-    if ok:
+    # sufficient: replica r's chips of a type are the type's chips r*used .. (worker_hosts
+    # numbers them from the first of its nodes), so when ep * used divides every chips-per-node
+    # of the type, a group's ep replicas fill one aligned block of a node
+    aligned = ok and all(dp * used[c] <= cluster.count(c)
+                         and all(g.chips_per_node % (e * used[c]) == 0 for g in cluster.groups_of(c))
+                         for (c, _), e in zip(shapes, per) if e > 1)
+    if ok and not aligned:
         lay = WorkerLayout(dp, tuple(t for _, t in shapes))
         hosts = worker_hosts(lay, [c for c, _ in shapes], cluster)
         ok = all(len({hosts[w] for w in grp}) == 1
@@ -794,8 +816,22 @@ def _aligned(cluster: Cluster, chip: str, per_replica: int, opts: list[int]) -> 
     """The EP degrees whose groups are node-local when a type's `per_replica` chips are all used:
     ep consecutive replicas fill whole chips of a node and never straddle two (ep * per_replica
     divides every node group's chips per node; worker_hosts numbers a type's chips from 0)."""
+    return [e for e in opts if e == 1 or _ep_budget(cluster, chip, per_replica, e) == per_replica] or [1]
+
+
+def _ep_budget(cluster: Cluster, chip: str, per_replica: int, ep: int) -> int:
+    """The most of a type's `per_replica` chips one replica can use at EP `ep` with node-local
+    groups (0: none). The build's placement is replica-major (`worker_hosts`: replica r takes
+    the type's next chips), so the members of a stage's EP group are a replica's used chips of
+    the type apart, and ep replicas' chips must share a node: b chips per replica with ep * b
+    dividing every chips-per-node of the type (aligned, never straddling two nodes). Using
+    fewer chips than the replica's share (the rest idle) is what makes a large EP node-local
+    on small nodes: 8-chip nodes at ep 8 take one chip per replica."""
+    if ep <= 1:
+        return per_replica
     cpns = {g.chips_per_node for g in cluster.groups_of(chip)}
-    return [e for e in opts if e == 1 or all(n % (e * per_replica) == 0 for n in cpns)] or [1]
+    return max((b for b in range(min(per_replica, min(cpns) // ep), 0, -1)
+                if all(n % (ep * b) == 0 for n in cpns)), default=0)
 
 
 def _a2a_choice(rm: ResourceModel, cluster: Cluster, eps: dict, tps: dict) -> str:
@@ -1316,32 +1352,57 @@ class _Search:
         loc = self.space.ep_local
         opts = {c: ep_options(self.cluster, self.costs, dp, c, tps[c], self.max_ep, loc)
                 for c in budgets}
+        full = opts
         if loc:
-            opts = {c: _aligned(self.cluster, c, B, opts[c]) for c, B in budgets.items()}
+            # degrees whose groups are node-local with all of the replica's chips of the type
+            full = {c: _aligned(self.cluster, c, B, opts[c]) for c, B in budgets.items()}
+        if loc and self.space.idle:
+            # and those where only some of them can be (`_ep_budget`): the configuration then
+            # uses only those chips of the type, the rest idle
+            opts = {c: [e for e in opts[c] if any(t <= _ep_budget(self.cluster, c, B, e) for t in tps[c])]
+                    or [1] for c, B in budgets.items()}
+        else:
+            opts = full
         la = rm.la
-        # model states a replica must hold: experts divide by EP (at most the largest option)
-        need = (float(la.dense_params.sum())
-                + float(la.expert_params.sum()) / max(max(o) for o in opts.values())) * la.state.total
-        if sum(device_capacity(self.cluster.chip(c)) * B for c, B in budgets.items()) < need:
-            return
-        for eps in self._ep_assignments(rm, budgets, tps, m, sched, opts):
+        for eps in self._ep_assignments(rm, budgets, tps, m, sched, opts, full):
+            bud, tpe = self._ep_budgets(budgets, tps, eps)
+            # model states a replica must hold: experts divide by EP (at most the largest degree)
+            need = (float(la.dense_params.sum())
+                    + float(la.expert_params.sum()) / max(list(eps.values()) or [1])) * la.state.total
+            if sum(device_capacity(self.cluster.chip(c)) * B for c, B in bud.items()) < need:
+                continue
             moe = _moe_plan(self.costs, eps, _a2a_choice(rm, self.cluster, eps,
-                                                         {c: t[0] for c, t in tps.items()}))
+                                                         {c: t[0] for c, t in tpe.items()}))
             a2a = moe.a2a if moe else "flat"
-            lb = _config_bound(rm, self.cluster, budgets, tps, m, sched, eps, a2a)
+            lb = _config_bound(rm, self.cluster, bud, tpe, m, sched, eps, a2a)
             if lb < math.inf:
-                self.push(lb, "config", (sched, mb, dp, m, budgets, tps, moe, eps))
+                self.push(lb, "config", (sched, mb, dp, m, bud, tpe, moe, eps))
 
-    def _ep_assignments(self, rm, budgets, tps, m, sched, opts) -> list[dict]:
+    def _ep_budgets(self, budgets: dict, tps: dict, eps: dict) -> tuple[dict, dict]:
+        """Each type's chips per replica and tp options under EP degrees `eps`: with node-local
+        groups, only the chips `_ep_budget` allows (the rest idle), and tp at most those."""
+        if not (self.space.ep_local and self.space.idle) or not eps:
+            return budgets, tps
+        bud, tpe = {}, {}
+        for c, B in budgets.items():
+            b = _ep_budget(self.cluster, c, B, eps.get(c, 1))
+            ts = [t for t in tps[c] if t <= b]
+            if ts:
+                bud[c], tpe[c] = b, ts
+        return bud, tpe
+
+    def _ep_assignments(self, rm, budgets, tps, m, sched, opts, full) -> list[dict]:
         """EP degrees per chip type to search, each its own configuration (a lower bound each):
-        every degree common to all types (homogeneous EP), each type's largest, and with
-        `mixed_ep` the assignment a coordinate descent picks on the configuration bound taken at
-        a typical 1F1B in-flight count (half the stages), where memory speaks as well as the
-        all-to-all: a type with room for its experts keeps a small EP, a tight one a large."""
+        every degree common to all types (homogeneous EP), each type's largest (of `opts`, and
+        of `full`: those that keep all of the type's chips), and with `mixed_ep` the assignment
+        a coordinate descent picks on the configuration bound taken at a typical 1F1B in-flight
+        count (half the stages), where memory speaks as well as the all-to-all: a type with
+        room for its experts keeps a small EP, a tight one a large."""
         if not _moe_layers(self.costs):
             return [{}]
         out = [{c: e for c in budgets} for e in sorted(set.intersection(*map(set, opts.values())))]
         if self.space.mixed_ep and len(budgets) > 1:
+            out.append({c: max(o) for c, o in full.items()})
             out.append({c: max(o) for c, o in opts.items()})
             S = sum(B // min(tps[c]) for c, B in budgets.items())
             infl = m if sched == "gpipe" else max(1, min(m, S // 2))
@@ -1350,7 +1411,8 @@ class _Search:
             def score(eps):
                 k = _eps_key(eps)
                 if k not in memo:
-                    memo[k] = _config_bound(rm, self.cluster, budgets, tps, m, sched, eps, "flat", infl)
+                    memo[k] = _config_bound(rm, self.cluster, *self._ep_budgets(budgets, tps, eps),
+                                            m, sched, eps, "flat", infl)
                 return memo[k]
             cur = {c: max(o) for c, o in opts.items()}
             for _ in range(2):
