@@ -44,6 +44,7 @@ class StageArtifacts:
     sig: dict               # stageN.json (frontend.stages.StageProgram.meta)
     weights: Path | None
     consts: Path | None
+    zero_bubble: dict | None = None     # zb1 builds: bwd_input / bwd_weight programs and names
 
 
 class BuildDir:
@@ -107,7 +108,16 @@ class BuildDir:
         return StageArtifacts(
             index=s, backend=st["backend"], device=st.get("device"), dtype_policy=st.get("dtype_policy", "fp32"),
             fwd=load_graph(str(self.path / st["fwd"])), bwd=load_graph(str(self.path / st["bwd"])),
-            sig=sig, weights=self.path / st["weights"], consts=self.path / st["consts"])
+            sig=sig, weights=self.path / st["weights"], consts=self.path / st["consts"],
+            zero_bubble=self._zero_bubble(st))
+
+    def _zero_bubble(self, st: dict) -> dict | None:
+        """A zero-bubble build's split backward of a stage: its two programs and how they meet."""
+        zb = st.get("zero_bubble")
+        if not zb:
+            return None
+        return {**zb, "bwd_input": load_graph(str(self.path / zb["bwd_input"])),
+                "bwd_weight": load_graph(str(self.path / zb["bwd_weight"]))}
 
     def stream(self, worker: int):
         w = self.workers[worker]

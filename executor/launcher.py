@@ -95,7 +95,9 @@ def predicted_step_time(build: BuildDir) -> SimResult:
         if any(w["stage"] == s and w.get("tp_group") for w in build.workers):
             art = build.stage(s)
             comm[s] = program_comm_volumes(art.fwd, art.bwd)
-    return simulate_build(build.model_costs(), plan, cluster, cal, streams, comm)
+    fractions = {s: st["zero_bubble"]["b_flops_fraction"]
+                 for s, st in enumerate(build.manifest["stages"]) if st.get("zero_bubble")}
+    return simulate_build(build.model_costs(), plan, cluster, cal, streams, comm, fractions)
 
 
 @dataclass

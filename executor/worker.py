@@ -115,6 +115,7 @@ class Worker(StreamInterpreter):
         self.saved: dict[int, dict] = {}          # mb -> saved for backward
         self.grads_out: dict[int, dict] = {}      # mb -> received output grads
         self.grads_in: dict[int, dict] = {}       # mb -> input grads to send upstream
+        self.w_pending: dict[int, dict] = {}      # mb -> what zero-bubble W needs (after B)
         self.param_grads: dict = {}
         self.owned_grads: set = set()
         self.losses: list[float] = []
@@ -151,8 +152,7 @@ class Worker(StreamInterpreter):
         else:
             self.acts_out[mb] = result
 
-    def bwd(self, ins):
-        mb = ins.mb
+    def _bwd_env(self, mb: int) -> tuple[dict, dict]:
         env = dict(self.params)
         env.update(self.consts)
         env.update(self.saved.pop(mb))
@@ -162,8 +162,37 @@ class Worker(StreamInterpreter):
         for k in self.sig["tangents"]:
             if k != "loss":
                 env[f"grad.{k}"] = received[k]
+        return env, received
+
+    def bwd(self, ins):
+        env, received = self._bwd_env(ins.mb)
         outs = run_program(self.st.bwd, self.be, env, comm=self.tp_comm)
-        grads = dict(zip(self.sig["input_grads"], outs))
+        self._take_grads(ins.mb, dict(zip(self.sig["input_grads"], outs)), received)
+
+    def bwd_input(self, ins):
+        """Zero-bubble B: the gradients of the stage's inputs (sent upstream next); what W will
+        need — saved values, output gradients, B's shared intermediates — is kept."""
+        zb = self.st.zero_bubble
+        env, received = self._bwd_env(ins.mb)
+        outs = run_program(zb["bwd_input"], self.be, env, comm=self.tp_comm)
+        n = len(zb["b_outputs"])
+        keep = {k: env[k] for k in zb["w_inputs"]}
+        keep.update(zip(zb["stash"], outs[n:]))
+        self.w_pending[ins.mb] = keep
+        self._take_grads(ins.mb, dict(zip(zb["b_outputs"], outs[:n])), received)
+
+    def bwd_weight(self, ins):
+        """Zero-bubble W: the parameter gradients of a micro-batch whose B ran earlier."""
+        zb = self.st.zero_bubble
+        env = dict(self.params)
+        env.update(self.consts)
+        env.update(self.w_pending.pop(ins.mb))
+        outs = run_program(zb["bwd_weight"], self.be, env, comm=self.tp_comm)
+        self._take_grads(ins.mb, dict(zip(zb["w_outputs"], outs)), None)
+
+    def _take_grads(self, mb: int, grads: dict, received: dict | None):
+        """Accumulate the parameter gradients in `grads`; with `received` (a backward that makes
+        the input gradients), keep those for send_grad."""
         add = self.be.ops["add"]
         for k in self.param_names:
             if k in grads:
@@ -175,7 +204,7 @@ class Worker(StreamInterpreter):
                     self.owned_grads.add(k)
                 else:                                   # accumulate in place: no new allocation
                     self.be.accumulate(self.param_grads[k], g)
-        if not self.first:
+        if received is not None and not self.first:
             gin = {}
             for k in self.grad_inputs:
                 g = grads.get(k)
@@ -297,7 +326,8 @@ class Worker(StreamInterpreter):
                     self.consts[name] = self.be.from_numpy(arr, "i64")
 
     # ---- the step loop -------------------------------------------------------------------------
-    _LANES = {"fwd": "compute", "bwd": "compute", "opt_step": "compute"}
+    _LANES = {"fwd": "compute", "bwd": "compute", "bwd_input": "compute", "bwd_weight": "compute",
+              "opt_step": "compute"}
 
     def before_instr(self, pc, ins):
         self.status[:] = (time.time(), self.step, pc, 0)
@@ -305,7 +335,8 @@ class Worker(StreamInterpreter):
 
     def after_instr(self, pc, ins):
         t1 = time.perf_counter()
-        name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}"}.get(ins.op, str(ins))
+        name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}", "bwd_input": f"I{ins.mb}",
+                "bwd_weight": f"W{ins.mb}"}.get(ins.op, str(ins))
         self.trace.append((self._LANES.get(ins.op, "comm"), name, self._t0 - self.t_origin,
                            t1 - self._t0, self.step))
 

@@ -37,7 +37,7 @@ from backends.calibrate import ensure_calibration
 from backends.registry import get_backend, measured_backends, resolve_stack
 from frontend.capture import load_model_file, parse_model_args, trace_model
 from frontend.profile import record
-from frontend.stages import build_stage_programs
+from frontend.stages import build_stage_programs, split_backward
 from frontend.tensor_parallel import shard_weight
 from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
@@ -311,6 +311,15 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
         (out / f"stages/stage{s}.json").write_text(json.dumps(p.meta(), indent=1))
         low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy, dry_run)
         (out / f"stages/stage{s}.kernels.json").write_text(json.dumps(low, indent=1))
+        zb = None
+        if plan.schedule == "zb1":      # zero-bubble: the backward as B (input grads) and W
+            sp = split_backward(p)
+            for part in ("bwd_input", "bwd_weight"):
+                (out / f"stages/stage{s}.{part}.h2ir").write_text(print_graph(sp[part]))
+            zb = {"bwd_input": f"stages/stage{s}.bwd_input.h2ir",
+                  "bwd_weight": f"stages/stage{s}.bwd_weight.h2ir",
+                  **{k: sp[k] for k in ("b_outputs", "w_outputs", "stash", "w_inputs",
+                                        "b_flops_fraction")}}
         stages_meta.append({
             "index": s, "chip": st.chip, "backend": low["backend"], "device": low.get("device"),
             "stack": chip.backend, "dtype_policy": policy,
@@ -318,7 +327,7 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
             "signature": f"stages/stage{s}.json", "kernels": f"stages/stage{s}.kernels.json",
             "weights": None if dry_run else f"weights/stage{s}.safetensors",
             "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
-            "params": len(p.params), "tp": p.tp,
+            "params": len(p.params), "tp": p.tp, "zero_bubble": zb,
         })
     return stages_meta
 
@@ -436,7 +445,9 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         _write_weights(cap, progs, model_path, model_args, seed, out)
     streams, workers = _write_streams(out, plan, costs, stages_meta, cluster)
     sim = simulate_build(costs, plan, cluster, cal, streams,
-                         {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs})
+                         {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
+                         {i: m["zero_bubble"]["b_flops_fraction"] for i, m in enumerate(stages_meta)
+                          if m.get("zero_bubble")})
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
@@ -549,7 +560,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cluster", default="local", help="cluster TOML or built-in name (default: local)")
     ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
     ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb1"],
+                    help="pipeline schedule; zb1: ZB-H1 zero-bubble (backward split in B and W)")
     ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH), default=16)
     ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
                     default=None, metavar="N|auto", help="sequences per micro-batch "

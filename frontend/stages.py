@@ -573,3 +573,94 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
             sharding={k: sharding[k] for k in info["params"] if k in sharding} if tp[s] > 1
             else {}))
     return progs
+
+
+# ---- zero-bubble: the backward split into input-gradient (B) and weight-gradient (W) parts ---------
+
+def _graph_flops(g: Graph) -> float:
+    total = 0.0
+    for n in g.nodes():
+        ins = [v.type if hasattr(v, "type") else v for v in n.inputs]
+        total += n.opdef.flops(ins, [v.type for v in n.outputs], {**n.opdef.attrs, **n.attrs})
+    return total
+
+
+def split_backward(p: StageProgram) -> dict:
+    """Split stage `p`'s backward program into B (the gradients of the stage's boundary inputs:
+    what the previous stage waits for) and W (the parameter gradients), as zero-bubble
+    pipelines do (Qi et al., ICLR 2024, Sec. 2): B is every node the input gradients depend on;
+    W the remaining nodes the parameter gradients need, reading B's results it shares (the
+    stash, kept by the worker from B to W) and the saved values and output gradients as the
+    whole backward does. Communication nodes go where their results are needed (B if both).
+    Returns {'bwd_input', 'bwd_weight': Graph, 'b_outputs', 'w_outputs', 'stash', 'w_inputs',
+    'b_flops_fraction'}; running B then W gives exactly the whole backward's gradients."""
+    from h2ir.graph import Layer
+    g = p.bwd
+    names = list(p.input_grads)
+    outs = dict(zip(names, g.outputs))
+    b_names = [k for k in names if k not in p.params]
+    w_names = [k for k in names if k in p.params]
+    producer = {}
+    for layer in g.layers:
+        for n in layer.nodes:
+            for v in n.outputs:
+                producer[id(v)] = n
+
+    def slice_of(values) -> set:
+        need, stack = set(), [v for v in values]
+        while stack:
+            v = stack.pop()
+            n = producer.get(id(v))
+            if n is None or id(n) in need:
+                continue
+            need.add(id(n))
+            stack.extend(n.input_values())
+        return need
+
+    b_nodes = slice_of([outs[k] for k in b_names])
+    w_nodes = slice_of([outs[k] for k in w_names]) - b_nodes
+    b_defined = {id(v) for layer in g.layers for n in layer.nodes if id(n) in b_nodes
+                 for v in n.outputs}
+    stash, seen = [], set()
+    w_ext = []                          # graph inputs W reads (saved values, output grads)
+    graph_inputs = {id(v) for v in g.inputs}
+    for layer in g.layers:
+        for n in layer.nodes:
+            if id(n) not in w_nodes:
+                continue
+            for v in n.input_values():
+                if id(v) in seen:
+                    continue
+                if id(v) in b_defined:
+                    stash.append(v)
+                    seen.add(id(v))
+                elif id(v) in graph_inputs:
+                    w_ext.append(v)
+                    seen.add(id(v))
+    # a parameter gradient that B computes (or that is an input) is handed over as a stash value
+    for k in w_names:
+        v = outs[k]
+        if id(v) in b_defined and id(v) not in seen:
+            stash.append(v)
+            seen.add(id(v))
+        elif id(v) in graph_inputs and id(v) not in seen:
+            w_ext.append(v)
+            seen.add(id(v))
+
+    def sub(name, keep, inputs, outputs):
+        out = Graph(name, attrs=dict(g.attrs), inputs=list(inputs), consts=list(g.consts),
+                    params=list(g.params), outputs=list(outputs))
+        out.layers = [Layer(l.name, l.kind, dict(l.attrs), list(l.params),
+                            [n for n in l.nodes if id(n) in keep]) for l in g.layers]
+        out.layers = [l for l in out.layers if l.nodes or l.params]
+        return out
+
+    b_inputs = [v for v in g.inputs]
+    bg = sub(f"{g.name}.bwd_input", b_nodes, b_inputs, [outs[k] for k in b_names] + stash)
+    wg = sub(f"{g.name}.bwd_weight", w_nodes, w_ext + stash, [outs[k] for k in w_names])
+    bg.verify()
+    wg.verify()
+    fb, fw = _graph_flops(bg), _graph_flops(wg)
+    return {"bwd_input": bg, "bwd_weight": wg, "b_outputs": b_names, "w_outputs": w_names,
+            "stash": [v.name for v in stash], "w_inputs": [v.name for v in w_ext],
+            "b_flops_fraction": fb / (fb + fw) if fb + fw > 0 else 0.5}

@@ -103,9 +103,12 @@ class SimulatedWorker(StreamInterpreter):
     """One worker's stream timed with its stage's durations (`StageTimes`)."""
 
     def __init__(self, wid: int, stream: list[Instr], times: StageTimes, timeline: Timeline,
-                 simulated: set):
+                 simulated: set, b_fraction: float = 0.5):
         super().__init__(wid, stream)
         self.times, self.tl, self.simulated = times, timeline, simulated
+        # zero-bubble: the share of the backward its input-gradient part (B) takes (FLOPs of
+        # the build's split programs), the rest is W
+        self.b_fraction = b_fraction
         timeline.clock[wid] = timeline.link_free[wid] = 0.0
         self.ar_count = 0
         self.inflight = self.inflight_peak = 0
@@ -125,6 +128,18 @@ class SimulatedWorker(StreamInterpreter):
     def bwd(self, ins):
         self._compute(f"B{ins.mb}", self.times.bwd_s)
         self.busy += self.times.bwd_s
+        self.inflight -= 1
+        self.last_bwd_end = self.tl.clock[self.wid]
+
+    def bwd_input(self, ins):
+        dur = self.times.bwd_s * self.b_fraction
+        self._compute(f"I{ins.mb}", dur)
+        self.busy += dur
+
+    def bwd_weight(self, ins):
+        dur = self.times.bwd_s * (1.0 - self.b_fraction)
+        self._compute(f"W{ins.mb}", dur)
+        self.busy += dur
         self.inflight -= 1
         self.last_bwd_end = self.tl.clock[self.wid]
 
@@ -253,7 +268,8 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
              streams: dict[int, list[Instr]] | None = None, workers: list[int] | None = None,
              symmetric: bool = True, record: bool = True,
              resource: ResourceModel | None = None,
-             program_comm: dict | None = None, one_rank: bool = False) -> SimResult:
+             program_comm: dict | None = None, one_rank: bool = False,
+             b_fractions: dict | None = None) -> SimResult:
     """Simulate one training step of `plan`; durations from the resource model.
 
     `streams` are the instruction streams to time — a build's stream files, as h2x and h2c
@@ -263,7 +279,9 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     transfers must come from inside the set); by default every worker of `streams` is simulated,
     or, for built streams with `symmetric`, the first replica only: replicas run the same stream
     up to worker ids, so replica 0 is timed and its all-reduce takes the plan's dp-way time.
-    `one_rank` (built streams only) times each stage by its tp rank 0 (`_one_rank_layout`)."""
+    `one_rank` (built streams only) times each stage by its tp rank 0 (`_one_rank_layout`).
+    `b_fractions` (stage -> share of its backward FLOPs in the input-gradient part) times a
+    zero-bubble schedule's bwd_input / bwd_weight; without it a split stage is timed 50/50."""
     _check_batch(plan)
     rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
     S, m = plan.num_stages, plan.num_microbatches
@@ -289,7 +307,9 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     stage_of = {w: lay.where(w)[1] for w in workers}
     simulated = set(workers)
     tl = Timeline(record=record)
-    sims = [SimulatedWorker(w, streams[w], times[stage_of[w]], tl, simulated) for w in workers]
+    fr = b_fractions or {}
+    sims = [SimulatedWorker(w, streams[w], times[stage_of[w]], tl, simulated,
+                            fr.get(stage_of[w], 0.5)) for w in workers]
     step = run_streams(sims)
 
     flush = max(s.last_bwd_end for s in sims)
@@ -336,13 +356,13 @@ FULL_SIMULATION_MAX_WORKERS = 256
 
 
 def simulate_build(costs, plan, cluster, cal, streams: dict,
-                   program_comm: dict | None = None) -> SimResult:
+                   program_comm: dict | None = None, b_fractions: dict | None = None) -> SimResult:
     """Time the streams a build holds: all of them, or replica 0's for very large plans;
-    `program_comm` as `simulate`'s (the build's TP stage programs' collectives)."""
+    `program_comm` and `b_fractions` as `simulate`'s."""
     workers = None if len(streams) <= FULL_SIMULATION_MAX_WORKERS else \
         [w for w in streams if w < plan_layout(plan).per_replica]
     return simulate(costs, plan, cluster, cal, streams=streams, workers=workers,
-                    program_comm=program_comm)
+                    program_comm=program_comm, b_fractions=b_fractions)
 
 
 def program_comm_volumes(fwd, bwd) -> tuple[list, list]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb1")     # zb1: ZB-H1 (Qi et al. 2024), backward split in B and W
 RECOMPUTE = ("none", "full")
 A2A_ALGOS = ("flat", "halo")
 PLACEMENTS = ("contiguous", "round_robin", "balanced")

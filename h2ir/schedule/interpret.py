@@ -41,6 +41,8 @@ class StreamInterpreter:
     # -- one method per instruction kind ------------------------------------------------------
     def fwd(self, ins: Instr): raise NotImplementedError
     def bwd(self, ins: Instr): raise NotImplementedError
+    def bwd_input(self, ins: Instr): raise NotImplementedError
+    def bwd_weight(self, ins: Instr): raise NotImplementedError
     def send_act(self, ins: Instr): raise NotImplementedError
     def recv_act(self, ins: Instr): raise NotImplementedError
     def send_grad(self, ins: Instr): raise NotImplementedError

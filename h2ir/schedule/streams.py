@@ -8,6 +8,9 @@ has a one-line text form that round-trips:
 
     fwd 3                   forward of micro-batch 3 (on stage 0 this also loads its input batch)
     bwd 3                   backward of micro-batch 3 (on the last stage this starts from the loss)
+    bwd_input 3             zero-bubble schedules: the backward's part that makes the gradient
+                            of the stage's inputs (B; what the previous stage waits for) ...
+    bwd_weight 3            ... and the part that makes the parameter gradients (W), later
     send_act 3 -> w1        send micro-batch 3's boundary activations to worker 1
     recv_act 3 <- w0        receive micro-batch 3's boundary activations from worker 0
     send_grad 3 -> w0       send the gradient w.r.t. the stage's inputs upstream
@@ -53,7 +56,7 @@ from functools import cached_property
 
 from h2ir.errors import H2Error
 
-OPS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad",
+OPS = ("fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad",
        "all_reduce", "all_to_all", "opt_step", "migrate",
        "send_tied_grads", "recv_tied_grads", "send_tied_params", "recv_tied_params")
 _SENDS = ("send_act", "send_grad")
@@ -173,7 +176,7 @@ class Instr:
         return (self.peer,) if self.peer is not None else tuple(self.group or ())
 
     def __str__(self) -> str:
-        if self.op in ("fwd", "bwd"):
+        if self.op in ("fwd", "bwd", "bwd_input", "bwd_weight"):
             return f"{self.op} {self.mb}" + (f" tp[{_ws(self.group)}]" if self.group else "") \
                 + (f" ep[{_ws(self.ep)}]" if self.ep else "")
         if self.op in _SENDS:
@@ -200,10 +203,10 @@ class Instr:
     @classmethod
     def parse(cls, text: str) -> "Instr":
         t = text.strip()
-        m = re.fullmatch(r"(fwd|bwd) (\d+)", t)
+        m = re.fullmatch(r"(fwd|bwd|bwd_input|bwd_weight) (\d+)", t)
         if m:
             return cls(m[1], int(m[2]))
-        m = re.fullmatch(r"(fwd|bwd) (\d+)(?: tp\[((?:w\d+ ?)+)\])?(?: ep\[((?:w\d+ ?)+)\])?", t)
+        m = re.fullmatch(r"(fwd|bwd|bwd_input|bwd_weight) (\d+)(?: tp\[((?:w\d+ ?)+)\])?(?: ep\[((?:w\d+ ?)+)\])?", t)
         if m:
             return cls(m[1], int(m[2]), group=_group(m[3]) if m[3] else None,
                        ep=_group(m[4]) if m[4] else None)
@@ -276,10 +279,12 @@ def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_g
             out.append(Instr("fwd", mb, group=tpg, ep=ep_group))
             if nxt is not None:
                 out.append(_p2p("send_act", mb, nxt, (rank, tp)))
-        else:
+        elif kind == "W":                   # zero-bubble: the weight-gradient part, later
+            out.append(Instr("bwd_weight", mb, group=tpg, ep=ep_group))
+        else:                               # 'B': the whole backward; 'I': its input part
             if nxt is not None:
                 out.append(_p2p("recv_grad", mb, nxt, (0, len(nxt))))
-            out.append(Instr("bwd", mb, group=tpg, ep=ep_group))
+            out.append(Instr("bwd" if kind == "B" else "bwd_input", mb, group=tpg, ep=ep_group))
             if prev is not None:
                 out.append(_p2p("send_grad", mb, prev, (rank, tp)))
     if tie_owner is not None:
@@ -331,7 +336,26 @@ def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, 
             order.append(("B", b)); b += 1
         order += [("B", i) for i in range(b, m)]
         return order
-    raise ValueError(f"unknown schedule {schedule!r} (expected 1f1b or gpipe)")
+    if schedule == "zb1":
+        # ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3.1): 1F1B's
+        # order with each backward split into I (input gradient: sent upstream at once) and W
+        # (weight gradient). Stage s runs W of micro-batch j after I of j + d, d = S-1-s: in the
+        # steady state every stage does F, I, W per cycle; in the drain the postponed W's run
+        # where 1F1B waits for the next gradient. Memory: W's inputs stay up to d micro-batches
+        # longer than in 1F1B (the worker's stash).
+        d = S - 1 - stage
+        order, done_i = [], 0
+        for kind, i in compute_order("1f1b", stage, S, m):
+            if kind == "F":
+                order.append(("F", i))
+                continue
+            order.append(("I", i))
+            done_i += 1
+            if i - d >= 0:
+                order.append(("W", i - d))
+        order += [("W", j) for j in range(max(0, m - d), m)]
+        return order
+    raise ValueError(f"unknown schedule {schedule!r} (expected 1f1b, gpipe or zb1)")
 
 
 def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1,
