@@ -27,10 +27,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,8 +42,9 @@ from h2ir.clusters.clusterfile import load_cluster  # noqa: E402
 from h2ir.costs import MoEInfo  # noqa: E402
 from h2ir.errors import H2Error  # noqa: E402
 from h2ir.plans.dsl import format_plan  # noqa: E402
-from h2ir.planner.resource import ResourceModel, analytic_moe_costs, stage_memory  # noqa: E402
-from h2ir.planner.search import PlanSpace, search  # noqa: E402
+from h2ir.planner.resource import (ResourceModel, analytic_moe_costs, device_capacity,  # noqa: E402
+                                   stage_memory)
+from h2ir.planner.search import PlanSpace, divisors, search  # noqa: E402
 from h2ir.planner.simulate import simulate  # noqa: E402
 from h2ir.planner.validate import validate_plan  # noqa: E402
 
@@ -97,6 +101,49 @@ def report(name, costs, cluster, plan, sim) -> dict:
             "text": format_plan(plan)}
 
 
+def node_local_bound(costs, cluster, gb: int, seq: int) -> dict:
+    """Why node-local EP caps a model on this cluster, from the resource model's own figures.
+
+    The build's placement is replica-major (worker_hosts: replica r takes a type's next chips),
+    so a stage's EP group of `ep` replicas shares one node only if the replica uses at most
+    cpn/ep chips of that type; and experts divide by EP only (tp replicates them). So one
+    replica's chips of a type with `cpn`-chip nodes hold at most max over ep of
+    (cpn/ep chips) x floor(capacity / one MoE layer's state at ep) MoE layers, with no room
+    left for activations, dense layers or the embedding (an upper bound). The MoE layers the
+    small-node types cannot hold fall on the others, whose chips then run at least
+    gb x layers / sum(chips / (fwd+bwd of a layer at tp 1, the fastest ep)) per step: a lower
+    bound of any node-local plan's step (no bubble, all-reduce or optimizer)."""
+    rm = ResourceModel(costs, cluster, 1, seq)
+    la = rm.la
+    moe = [i for i, l in enumerate(costs.layers) if l.moe is not None]
+    E = costs.layers[moe[0]].moe.num_experts
+    i = moe[0]
+    held, fast = {}, {}
+    for c in cluster.chip_types:
+        if not cluster.count(c):
+            continue
+        cpn = min(g.chips_per_node for g in cluster.groups_of(c))
+        cap = device_capacity(cluster.chip(c))
+        best = (0, 1)
+        fits = []                    # the degrees at which one MoE layer's state fits a chip
+        for e in divisors(E):
+            state = float(la.device(1, e).params[i]) * la.state.total
+            if e <= cpn and state <= cap:
+                fits.append(e)
+                best = max(best, ((cpn // e) * int(cap // state), e))
+        held[c] = best
+        fast[c] = min((float(np.add(lt.fwd_layer, lt.bwd_layer)[i])
+                       for lt in (rm.layer_times(c, 1, e, "flat") for e in fits)), default=math.inf)
+    small = {c: h for c, h in held.items() if h[0] < len(moe)}
+    rest = len(moe) - sum(h for h, _ in small.values())
+    big = [c for c in held if c not in small]
+    rate = sum(cluster.count(c) / fast[c] for c in big)
+    return {"moe_layers": len(moe), "held_per_replica": {c: {"layers": h, "ep": e} for c, (h, e) in small.items()},
+            "rest_on": big, "rest_layers": rest,
+            "layer_s": {c: fast[c] for c in big},
+            "step_lower_bound_s": gb * max(rest, 0) / rate if rate else float("inf")}
+
+
 def run_model(key: str, gb: int, seq: int, time_limit: float | None) -> dict:
     cluster = load_cluster(CLUSTER)
     costs = MODELS[key](seq)
@@ -104,31 +151,33 @@ def run_model(key: str, gb: int, seq: int, time_limit: float | None) -> dict:
     t0 = time.perf_counter()
     r = search(costs, cluster, gb, seq_len=seq, time_limit=time_limit)
     t_auto = time.perf_counter() - t0
+    # the best homogeneous-EP plan (one EP degree for every stage) under the same node-local
+    # constraint, and separately with EP groups free to cross nodes (costed over their NICs)
     t0 = time.perf_counter()
     try:
         rh = search(costs, cluster, gb, seq_len=seq, space=PlanSpace(mixed_ep=False), time_limit=time_limit)
-        homo_local = True
     except H2Error:
-        # no plan with one EP degree and node-local groups fits: the baseline lets its groups
-        # cross nodes (the all-to-all then costed over the NICs the groups cross)
-        rh = search(costs, cluster, gb, seq_len=seq, space=PlanSpace(mixed_ep=False, ep_local=False),
-                    time_limit=time_limit)
-        homo_local = False
+        rh = None
     t_homo = time.perf_counter() - t0
+    rx = search(costs, cluster, gb, seq_len=seq, space=PlanSpace(mixed_ep=False, ep_local=False),
+                time_limit=time_limit)
     out = {"model": costs.model, "params": params, "global_batch": gb, "seq_len": seq,
            "search_s": t_auto, "homo_search_s": t_homo, "exact": r.exact, "timed_out": r.timed_out,
-           "simulations": r.simulations, "homo_ep_node_local": homo_local}
-    # full simulations (every tp rank) of the three plans for the figures
+           "simulations": r.simulations, "node_local_bound": node_local_bound(costs, cluster, gb, seq)}
+    # full simulations (every tp rank) of the plans for the figures
     out["auto"] = report("HeteroAuto (EP per type)", costs, cluster, r.plan,
                          simulate(costs, r.plan, cluster, record=False))
-    out["homo_ep"] = report("best homogeneous EP", costs, cluster, rh.plan,
-                            simulate(costs, rh.plan, cluster, record=False))
+    out["homo_ep"] = None if rh is None else report(
+        "homogeneous EP, node-local", costs, cluster, rh.plan, simulate(costs, rh.plan, cluster, record=False))
+    out["homo_ep_cross"] = report("homogeneous EP, any node", costs, cluster, rx.plan,
+                                  simulate(costs, rx.plan, cluster, record=False))
     out["uniform"] = None if r.uniform is None else report(
         "uniform baseline", costs, cluster, r.uniform.plan,
         simulate(costs, r.uniform.plan, cluster, record=False))
-    out["ratio_vs_homo_ep"] = out["auto"]["tokens_per_s"] / out["homo_ep"]["tokens_per_s"]
-    out["ratio_vs_uniform"] = (out["auto"]["tokens_per_s"] / out["uniform"]["tokens_per_s"]
-                               if out["uniform"] else None)
+    tok = out["auto"]["tokens_per_s"]
+    out["ratio_vs_homo_ep"] = tok / out["homo_ep"]["tokens_per_s"] if out["homo_ep"] else None
+    out["ratio_vs_homo_ep_cross"] = tok / out["homo_ep_cross"]["tokens_per_s"]
+    out["ratio_vs_uniform"] = tok / out["uniform"]["tokens_per_s"] if out["uniform"] else None
     return out
 
 
@@ -150,22 +199,30 @@ def main(argv=None):
         print(f"\n{o['model']} ({o['params'] / 1e9:.1f} B params), global batch {o['global_batch']}, "
               f"seq {o['seq_len']}: search {o['search_s']:.2f} s ({o['simulations']} simulated, "
               f"{'exact' if o['exact'] else 'budget spent' if not o['timed_out'] else 'time limit'}); "
-              f"homogeneous-EP search {o['homo_search_s']:.2f} s"
-              + ("" if o["homo_ep_node_local"] else " (no node-local homogeneous-EP plan fits: "
-                 "its EP groups may cross nodes)"))
-        for k in ("auto", "homo_ep", "uniform"):
+              f"homogeneous-EP search {o['homo_search_s']:.2f} s")
+        for k in ("auto", "homo_ep", "homo_ep_cross", "uniform"):
             p = o[k]
             if p is None:
-                print("  uniform baseline           no uniform plan fits (one tp, even split)")
+                print(f"  {k:26s} no plan fits")
                 continue
             print(f"  {p['name']:26s} step {p['step_s']:7.2f} s  {p['tokens_per_s']:>10,.0f} tok/s  "
                   f"MFU {100 * p['mfu']:5.1f} %  bubble {100 * p['bubble']:4.1f} %  peak stage "
                   f"{p['peak_gib']:.1f} of {p['peak_cap_gib']:.1f} GiB ({'fits' if p['fits'] else 'OVER'})"
                   f"{'  warnings: ' + str(len(p['warnings'])) if p['warnings'] else ''}")
             print(f"    {p['plan']}")
-        ru = o["ratio_vs_uniform"]
-        print(f"  ratio HeteroAuto / homogeneous EP {o['ratio_vs_homo_ep']:.3f}, "
-              f"/ uniform {'%.3f' % ru if ru else 'n/a (none fits)'}")
+        f = lambda x: "%.3f" % x if x else "n/a (none fits)"
+        print(f"  ratio HeteroAuto / homogeneous EP node-local {f(o['ratio_vs_homo_ep'])}, "
+              f"/ homogeneous EP any node {f(o['ratio_vs_homo_ep_cross'])}, / uniform {f(o['ratio_vs_uniform'])}")
+        nb = o["node_local_bound"]
+        held = ", ".join(f"{c} {h['layers']} (ep {h['ep']})" for c, h in nb["held_per_replica"].items())
+        if nb["rest_layers"] <= 0:
+            print(f"  node-local bound: none (a replica's chips on small nodes could hold all "
+                  f"{nb['moe_layers']} MoE layers: {held})")
+        else:
+            print(f"  node-local bound: of {nb['moe_layers']} MoE layers a replica's chips on small nodes "
+                  f"hold at most {held}; the other {nb['rest_layers']} on {', '.join(nb['rest_on'])} "
+                  f"(fwd+bwd >= {', '.join('%.1f ms' % (1e3 * v) for v in nb['layer_s'].values())} "
+                  f"per layer and micro-batch) take >= {nb['step_lower_bound_s']:.2f} s per step")
 
 
 if __name__ == "__main__":

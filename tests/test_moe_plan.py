@@ -132,3 +132,31 @@ def test_time_limit_is_honoured_on_the_1024_chip_moe_cluster():
     assert wall < 8.0, wall        # the limit, plus the uniform baseline's one simulation
     assert r.plan is not None
     check(r.plan, costs, cluster)
+
+
+def test_a_large_ep_stays_node_local_by_leaving_chips_idle():
+    # Two types of 16 chips, same memory: X in one 16-chip node, Y in two 8-chip nodes; dp 4,
+    # so a replica has 4 chips of each. One MoE layer's state needs ep >= 4 to fit a chip. The
+    # build's placement is replica-major, so Y's EP group of ep replicas shares a node only if
+    # ep x (Y chips a replica uses) divides 8: at 4 chips per replica only ep <= 2 is node-local,
+    # and one EP degree for every stage (homogeneous EP) then had no plan at all. Using 2 (ep 4)
+    # or 1 (ep 8) of Y's chips per replica, the rest idle, is node-local and fits.
+    d, E = 512, 8
+    costs = analytic_moe_costs("moe", 4, d, 8, 4000, 256,
+                               MoEInfo(num_experts=E, top_k=2, d_model=d, d_ffn=2048, expert_params=0),
+                               attn_params=4 * d * d)
+    mem = 0.15 * GiB                  # an expert layer's state: 0.38 GiB at ep 1, 0.09 at ep 4
+    chip = lambda n: ChipType(n, "cuda", "v", {"bf16": 1e14}, int(mem), 1e12, efficiency=0.5,
+                              mem_reserved_bytes=0, mem_fragmentation=0.0)
+    cluster = Cluster("xy", {"X": chip("X"), "Y": chip("Y")},
+                      (NodeGroup("X", 1, 16, intra_bw=1e11), NodeGroup("Y", 2, 8, intra_bw=1e11)),
+                      dtype="bf16")
+    for space in (PlanSpace(mixed_ep=False), PlanSpace()):
+        r = search(costs, cluster, 16, dp_options=[4], micro_batch=1, space=space)
+        check(r.plan, costs, cluster)
+        eps = {r.plan.stage_ep(j) for j in range(r.plan.num_stages)}
+        assert min(eps) >= 4, format_plan(r.plan)
+        if not space.mixed_ep:
+            assert len(eps) == 1
+        y = sum(s.chips for s in r.plan.stages if s.chip == "Y")
+        assert 0 < y < 16, format_plan(r.plan)          # Y used, some of its chips idle
