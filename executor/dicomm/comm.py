@@ -4,7 +4,8 @@ all-reduce, all-to-all and barrier, over tcp, shm or rdma links opened on first 
 Threading: a Comm is driven by one thread (the worker's instruction loop). Behind it, one accept
 thread per listener authenticates incoming connections, and one reader thread per incoming link
 moves frames into the inbox, where `recv` picks them by (src, kind, mb) in whatever order they
-arrived.
+arrived. On a shm link with a ring (ring.py) `recv` reads the ring in its own thread instead, and
+the reader thread handles only the link's control messages.
 
 Every wait has a deadline (`timeout`, default 10 s): a peer whose process died is reported as soon
 as its link closes (the kernel closes its sockets), and a peer that never connects or stops

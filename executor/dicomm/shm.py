@@ -1,7 +1,9 @@
 """Same-host shared-memory transport: the zero-copy "device-direct" analogue on this machine.
 
-Each directed link src -> dst has an AF_UNIX control socket (the authenticated connection) and a
-pool of shared segments owned by the sender:
+Each directed link src -> dst has an AF_UNIX control socket (the authenticated connection), a
+frame ring (ring.py: on x86-64 every frame is a ring record read by the receiving thread itself,
+with small payloads inside it) and a pool of shared segments owned by the sender. Without a ring
+(other architectures) frames go on the socket:
 
   * small payloads (<= INLINE_BYTES) travel inline on the socket, exactly as on tcp: for them a
     syscall costs less than segment bookkeeping;
