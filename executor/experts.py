@@ -135,6 +135,7 @@ class StageComm:
         self.ep_group, self.a2a, self.hosts = list(ep_group), a2a, hosts
         self.moe = moe
         self.a2a_bytes = 0                   # payload bytes this worker sent in all-to-alls
+        self.a2a_calls = 0
 
     def __call__(self, op: str, *inputs, **attrs):
         if op in ("tp_all_reduce", "tp_rank"):
@@ -165,6 +166,7 @@ class StageComm:
             got = comm.all_to_all(parts, group=self.ep_group, algo=self.a2a, hosts=self.hosts)
         me = self.ep_group.index(comm.rank) if hasattr(comm, "rank") else None
         self.a2a_bytes += sum(p.nbytes for i, p in enumerate(parts) if i != me)
+        self.a2a_calls += 1
         out = np.concatenate(got, axis=0)
         return self.be.from_numpy(out, dtype_of_host(out.dtype))
 

@@ -275,6 +275,8 @@ class _Progress:
             rep["sent"][w] = ev["sent_bytes"]
         if ev.get("moe"):
             rep["moe"].append(ev["moe"])
+        if ev.get("a2a"):               # expert-parallel all-to-alls this worker took part in
+            rep.setdefault("a2a", {})[w] = ev["a2a"]
         if len(rep["workers"]) < self.W:
             return
         now = time.perf_counter()
@@ -297,6 +299,8 @@ class _Progress:
                     "sent_bytes": {f"w{k}": v for k, v in sorted(rep["sent"].items())}}
             if moe:
                 line["moe"] = moe
+            if rep.get("a2a"):
+                line["a2a"] = {f"w{k}": v for k, v in sorted(rep["a2a"].items())}
             self.log_f.write(json.dumps(line) + "\n")
             self.log_f.flush()
         del self.step_reports[s]

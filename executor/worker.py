@@ -357,6 +357,10 @@ class Worker(StreamInterpreter):
                 ev["loss"] = float(np.mean(self.losses))
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
+                if self.tp_comm is not None and self.tp_comm.a2a_calls:
+                    ev["a2a"] = {"algo": self.tp_comm.a2a, "calls": self.tp_comm.a2a_calls,
+                                 "bytes": self.tp_comm.a2a_bytes}
+                    self.tp_comm.a2a_calls = self.tp_comm.a2a_bytes = 0
                 t = time.perf_counter() - self.t_origin     # loads as trace counters
                 for layer, r in ev["moe"].items():
                     self.trace.append(("counter", f"tokens per expert {layer}", t, 0.0, step,

@@ -200,3 +200,23 @@ def test_transformers_moe_with_ep2_matches_eager(tmp_path, family):
     build = _build(tmp_path, HF, {"family": family}, plan)
     res, _ = _run(build, 3)
     assert _rel(res.losses, eager_losses(build, 3)) <= 1e-5
+
+
+def test_halo_all_to_all_and_round_robin_placement_are_honoured(tmp_path):
+    """a2a=halo over the hosts of a 2-node cluster file (the run is on this machine; HALO
+    aggregates by the manifest's hosts) and round-robin placement: the same losses."""
+    cluster = str(ROOT / "examples/clusters/testbed-2host.toml")
+    plan = _plan(tmp_path, MOE_TINY, cluster, 4, [("cpu-torch", "embed, 0..1, head")],
+                 "moe ep=4 a2a=halo placement=round_robin")
+    args = {**SMALL, "num_experts": 8}
+    build = _build(tmp_path, MOE_TINY, args, plan)
+    manifest = json.loads((Path(build) / "manifest.json").read_text())
+    assert [w["host"] for w in manifest["workers"]] == [0, 0, 1, 1]
+    assert manifest["stages"][0]["moe"]["experts"]["layers.0.moe.experts"]["placement"] == \
+        [0, 4, 1, 5, 2, 6, 3, 7]
+    res, log = _run(build, 3)
+    assert log[0]["moe"]["layers.0.moe.experts"]["placement"] == [0, 4, 1, 5, 2, 6, 3, 7]
+    # every worker ran its 2 layers x (2 forward + 2 backward) exchanges per micro-batch as HALO
+    assert all(a["algo"] == "halo" and a["calls"] == 2 * 4 * 1 and a["bytes"] > 0
+               for a in log[-1]["a2a"].values()) and len(log[-1]["a2a"]) == 4
+    assert _rel(res.losses, eager_losses(build, 3, model_args={"routing": "dense"})) <= 1e-5
