@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.dicomm.bench import SHM_TARGET, SIZES, _size, format_table, run_bench  # noqa: E402
+from executor.dicomm.bench import (SHM_LATENCY_RATIO_TARGET, SHM_LATENCY_TARGET_US,  # noqa: E402
+                                   SHM_TARGET, SIZES, _size, format_table, run_bench)
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +46,9 @@ def main(argv: list[str]) -> int:
     if "latency_ratio_tcp_over_shm" in result:
         print(f"H2 reported latency ratio (device-direct RDMA vs TCP/IP): "
               f"{result['h2_reported_ratio']}x")
-    print(f"shm target: bandwidth >= {SHM_TARGET:.0%} of memcpy at {_size(SIZES[-1])}")
+    print(f"shm targets: bandwidth >= {SHM_TARGET:.0%} of memcpy at {_size(SIZES[-1])}; latency "
+          f"at 4 KiB <= {SHM_LATENCY_TARGET_US:g} us and >= {SHM_LATENCY_RATIO_TARGET:g}x lower "
+          "than tcp")
     return 0
 
 

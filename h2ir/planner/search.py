@@ -116,6 +116,7 @@ class Candidate:
     bounds: tuple = ()
     sim: SimResult | None = None
     sim_s: float = 0.0             # how long its simulation took
+    sim_work: int = 0              # its simulation's work (worker x micro-batch units)
 
     @property
     def step_time_s(self) -> float:
@@ -243,6 +244,10 @@ class StageKind:
 
 
 _SCORES: dict = {}
+
+# the final ranking's simulation budget (`_Search.sim_budget`), in simulated worker x
+# micro-batch units
+SIM_WORK_MIN = 12_500
 
 
 def _score_bytes(rm: ResourceModel, chip, tp: int) -> np.ndarray:
@@ -1294,6 +1299,7 @@ class _Search:
         self.best_line = math.inf           # best split bound of the lines found by local search
         self.warm: dict = {}                # (schedule, dp) -> the local search's last state
         self.sim_s = 0.0
+        self.sim_work = 0
 
     def rm(self, mb):
         if mb not in self.rms:
@@ -1518,14 +1524,19 @@ class _Search:
                             resource=self.rm(cand.plan.micro_batch), one_rank=True)
         cand.sim_s = time.perf_counter() - t0
         self.sim_s += cand.sim_s
+        # the simulation's work in (simulated worker x micro-batch) units: the budget below is
+        # counted in them, not in seconds, so a plan does not depend on the machine's load
+        cand.sim_work = len(cand.sim.busy_s) * max(1, cand.plan.num_microbatches)
+        self.sim_work += cand.sim_work
         self.sims.append(cand)
         self.best_sim = min(self.best_sim, cand.sim.step_time_s)
 
     def sim_budget(self) -> float:
-        """Seconds of simulation the final ranking may spend: half a second, or three times
-        the first simulation when that is longer (large plans simulate slowly)."""
-        first = self.sims[0].sim_s if self.sims else 0.0
-        return max(0.5, 3 * first)
+        """Simulation work the final ranking may spend: SIM_WORK_MIN units (about half a second
+        here: a unit simulates in 30-50 us), or three times the first simulation's when that is
+        more (large plans). Deterministic: the same inputs give the same plan on any machine."""
+        first = self.sims[0].sim_work if self.sims else 0
+        return max(SIM_WORK_MIN, 3 * first)
 
     def run(self):
         steps = {"config": self.expand_config, "line": self.expand_line}
@@ -1538,7 +1549,7 @@ class _Search:
                 break                       # nothing left can beat the best simulated step
             heapq.heappop(self.heap)
             if kind == "cand":
-                if self.sims and (len(self.sims) >= self.max_sims or self.sim_s > self.sim_budget()):
+                if self.sims and (len(self.sims) >= self.max_sims or self.sim_work > self.sim_budget()):
                     self.exact = False
                     break
                 self.simulate(item)
