@@ -98,7 +98,8 @@ def testbed_topology(cal: dict, copy_bw: float, digest_bw: float) -> alltoall.To
         nic_bw=cal["inter"]["bandwidth_Bps"], inter_latency=cal["inter"]["latency_s"],
         inter_gap=cal["inter"]["gap_s"],
         intra_bw=cal["intra"]["bandwidth_Bps"], intra_latency=cal["intra"]["latency_s"],
-        intra_gap=cal["intra"]["gap_s"], copy_bw=copy_bw, digest_bw=digest_bw)
+        intra_gap=cal["intra"]["gap_s"], copy_bw=copy_bw, digest_bw=digest_bw,
+        intra_single_bw=cal["intra"].get("single_Bps"))
 
 
 def report(rate: float, m: dict, copy_bw: float, digest_bw: float) -> list[dict]:
@@ -112,7 +113,8 @@ def report(rate: float, m: dict, copy_bw: float, digest_bw: float) -> list[dict]
           f"{cal['inter']['gap_s'] * 1e6:.0f} us, {cal['inter']['bandwidth_Bps'] * 8 / 1e6:.0f} "
           f"Mbit/s; intra latency {cal['intra']['latency_s'] * 1e6:.0f} us, gap "
           f"{cal['intra']['gap_s'] * 1e6:.0f} us, {cal['intra']['bandwidth_Bps'] / 2**30:.2f} "
-          f"GiB/s; memcpy {copy_bw / 2**30:.1f} GiB/s; digest {digest_bw / 2**30:.2f} GiB/s")
+          f"GiB/s streaming, {cal['intra'].get('single_Bps', 0) / 2**30:.2f} GiB/s one message at a "
+          f"time; memcpy {copy_bw / 2**30:.1f} GiB/s; digest {digest_bw / 2**30:.2f} GiB/s")
     print(f"{'size':>8} {'flat ms':>9} {'halo ms':>9} {'measured halo/flat':>19} "
           f"{'predicted':>10} {'pred/meas':>10}")
     rows = []

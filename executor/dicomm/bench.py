@@ -233,6 +233,16 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                     comm.send(peer, big, kind=f"cal-{name}-bw{rep}", mb=i)
                 comm.recv(peer, kind=f"cal-{name}-done", mb=rep)
                 best = max(best, count * big.nbytes / (time.perf_counter() - t0))
+            # one big message at a time, echoed back: what a transfer that nothing else overlaps
+            # costs (the sender's copy in, the wake-up, the receiver's copy out), as HALO's
+            # gather and scatter are
+            rtt = []
+            for i in range(7):
+                t0 = time.perf_counter()
+                comm.send(peer, big, kind=f"cal-{name}-pp", mb=i)
+                comm.recv(peer, kind=f"cal-{name}-ppback", mb=i)
+                rtt.append(time.perf_counter() - t0)
+            single = big.nbytes / max(1e-9, float(np.median(rtt[2:])) / 2)
             gap = float("inf")
             for rep in range(3):       # back-to-back small sends: the per-message gap
                 t0 = time.perf_counter()
@@ -241,7 +251,7 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                 comm.recv(peer, kind=f"cal-{name}-gapdone", mb=rep)
                 gap = min(gap, (time.perf_counter() - t0) / 200)
             got[name] = {"peer": peer, "latency_s": float(np.median(times[3:])) / 2,
-                         "bandwidth_Bps": best, "gap_s": gap}
+                         "bandwidth_Bps": best, "single_Bps": single, "gap_s": gap}
         elif rank == peer:
             for i in range(23):
                 comm.send(0, comm.recv(0, kind=f"cal-{name}-ping", mb=i),
@@ -251,6 +261,9 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                     comm.recv(0, kind=f"cal-{name}-bw{rep}", mb=i, view=True)
                 comm.release()
                 comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-done", mb=rep)
+            for i in range(7):
+                comm.send(0, comm.recv(0, kind=f"cal-{name}-pp", mb=i), kind=f"cal-{name}-ppback",
+                          mb=i)
             for rep in range(3):
                 for i in range(200):
                     comm.recv(0, kind=f"cal-{name}-gap{rep}", mb=i)

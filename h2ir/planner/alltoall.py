@@ -52,6 +52,10 @@ class Topology:
     inter_gap: float | None = None   # serialized cost per inter-node message, s (None: latency)
     intra_gap: float | None = None   # serialized cost per intra-node message, s (None: latency)
     digest_bw: float | None = None   # payload checksum rate at each end, B/s (None: free)
+    # the rate of ONE large intra-node message that nothing overlaps (send, wake-up, receive,
+    # each copy in series), below the streaming intra_bw; HALO's gather and scatter are such
+    # transfers on its critical path (None: intra_bw)
+    intra_single_bw: float | None = None
     nodes_per_switch: int | None = None   # nodes under one switch (None: one switch for all)
     switch_latency: float = 0.0      # extra per message that leaves its switch group, s
 
@@ -143,21 +147,22 @@ def halo_phases(bytes_per_rank: float, ranks: int, topo: Topology) -> tuple[floa
     bundle, buffer = k * s, k * k * s
     copy = (lambda nbytes: nbytes / topo.copy_bw) if topo.copy_bw else (lambda nbytes: 0.0)
     g_intra, g_inter = _gaps(topo)
+    bw = topo.intra_single_bw or topo.intra_bw      # gather and scatter wait for each message
     # (a) gather, bounded by the busiest rank: what it sends (local messages + bundles for the
     # nodes others aggregate) or what it receives (local messages + k-1 bundles per node it
     # aggregates), then packs; one intra-node latency.
     gather = scatter = 0.0
     for j in range(k):
         h = aggregated_nodes(j, k, R)
-        send = (k - 1) * (s / topo.intra_bw + g_intra) + \
-            (R - h) * (bundle / topo.intra_bw + g_intra)
-        recv = (k - 1) * (s / topo.intra_bw + g_intra) + \
-            h * (k - 1) * (bundle / topo.intra_bw + g_intra)
+        send = (k - 1) * (s / bw + g_intra) + \
+            (R - h) * (bundle / bw + g_intra)
+        recv = (k - 1) * (s / bw + g_intra) + \
+            h * (k - 1) * (bundle / bw + g_intra)
         gather = max(gather, max(send, recv) + copy(h * buffer))
         # (c) scatter: the mirror image (the aggregator unpacks and sends k-1 bundles per node)
         scatter = max(scatter, copy(h * buffer) + max(
-            h * (k - 1) * (bundle / topo.intra_bw + g_intra),
-            (R - h) * (bundle / topo.intra_bw + g_intra)))
+            h * (k - 1) * (bundle / bw + g_intra),
+            (R - h) * (bundle / bw + g_intra)))
     gather += topo.intra_latency
     scatter += topo.intra_latency
     # (b) exchange: local rank j's messages go out through NIC j mod nics; the busiest NIC bounds;
