@@ -216,10 +216,21 @@ class _Pass:
         return list(self.gval[n].shape)
 
     def f(self, n):
-        """R -> S compute: identity forward, all-reduce of the gradient backward."""
+        """R -> S compute: identity forward, all-reduce of the gradient backward. A reshape of a
+        replicated value gets f on the value it reshapes (then the reshape again), so every
+        column-parallel linear reading one activation — Q, K and V; gate and up — shares one f,
+        and the backward all-reduces their summed gradient once (Megatron's two per block)."""
         if not self.gval[n].is_floating_point():
             return n
-        if n not in self.f_cache:
+        if n in self.f_cache:
+            return self.f_cache[n]
+        if (getattr(n, "op", None) == "call_function" and n.target in _SHAPE_ARG and n.args
+                and isinstance(n.args[0], torch.fx.Node) and self.pl.get(n.args[0]) == R
+                and n.args[0] in self.gval and self.gval[n.args[0]].is_floating_point()):
+            base = self.f(n.args[0])
+            self.f_cache[n] = self.emit(n.target, (base, *n.args[1:]), dict(n.kwargs),
+                                        placement=R)
+        else:
             self.f_cache[n] = self.emit(F_OP, (n, self.tp), placement=R)
         return self.f_cache[n]
 

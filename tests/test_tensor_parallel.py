@@ -260,7 +260,8 @@ def test_simulator_times_the_programs_comm_ops(tmp_path):
     names = [l.name for l in cap.graph.layers]
     progs = build_stage_programs(cap, [names[:2], names[2:]], tp=[2, 1])
     fwd, bwd = program_comm_volumes(progs[0].fwd, progs[0].bwd)
-    assert len(fwd) == 3 and len(bwd) == 5 and all(v[2] == 2 for v in fwd + bwd)
+    # backward: one f per block input that column-parallel linears share (Q, K, V; gate, up)
+    assert len(fwd) == 3 and len(bwd) == 2 and all(v[2] == 2 for v in fwd + bwd)
     plan = parse_plan(f'''model "m"
 cluster "local"
 batch global=4 micro=2 seq=8
@@ -279,9 +280,10 @@ stage chip=cpu-torch chips=1 tp=1 layers=1, head
     assert sorted(timed.stage_of) == [0, 1, 2] and timed.stage_of[1] == 0
     assert heavy.stage_times[0].fwd_s > timed.stage_times[0].fwd_s
     # forward: the programs' 3 all-reduces of [b,s,d] are Megatron's estimate exactly (2 per
-    # block, 1 for the embedding); backward: the programs' 5 (one f per column-parallel input)
+    # block, 1 for the embedding); backward: the programs' 2 per block (the vocabulary-parallel
+    # embedding's backward needs none, which the per-layer estimate charges)
     assert timed.stage_times[0].fwd_s == pytest.approx(base.stage_times[0].fwd_s)
-    assert timed.stage_times[0].bwd_s > base.stage_times[0].bwd_s
+    assert timed.stage_times[0].bwd_s < base.stage_times[0].bwd_s
 
 
 # ---- redistribution between TP degrees ----------------------------------------------------------
