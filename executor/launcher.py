@@ -85,6 +85,13 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     """The simulator's step time for this build: its own stream files (streams/wK.txt), timed
     with the resource model and this host's calibration — the streams the workers will run."""
     plan = load_plan(str(build.path / "plan.h2plan"))
+    m = build.manifest                  # the plan the programs were built from, or an error
+    if (len(plan.stages) != len(m["stages"]) or plan.dp != m["dp"]
+            or plan.num_microbatches != m["num_microbatches"] or plan.schedule != m["schedule"]
+            or [list(st.layers) for st in plan.stages] != [list(st["layers"]) for st in m["stages"]]):
+        raise H2Error("the build's plan does not match its manifest (stages, layers, dp, "
+                      "micro-batches or schedule differ): it was edited after h2c compile",
+                      str(build.path / "plan.h2plan"), hint="recompile the build with h2c compile")
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
