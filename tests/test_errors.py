@@ -71,6 +71,7 @@ def test_unsupported_op_names_op_module_line_and_what_to_do(tmp_path):
     assert "add a lowering" in r.stderr and "rewrite the model" in r.stderr
 
 
+@pytest.mark.slow          # ~8 s: it measures layer times
 def test_unsupported_op_first_met_in_calibration_is_one_clean_message(tmp_path):
     """`h2c compile` measures layer times in subprocesses before it captures the model: the
     subprocess's error is the same one message, not its stderr."""

@@ -60,7 +60,10 @@ def _losses(log: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["torch+torch", "torch+numpy", "numpy", "torch|torch"])
+# torch+numpy (both backends in one pipeline) and torch|torch (dp 2) by default; the rest in
+# make test-slow
+@pytest.mark.parametrize("kind", [pytest.param("torch+torch", marks=pytest.mark.slow), "torch+numpy",
+                                  pytest.param("numpy", marks=pytest.mark.slow), "torch|torch"])
 def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
     """'+' separates pipeline stages, '|' data-parallel replicas of one stage."""
     from executor.reference import eager_losses

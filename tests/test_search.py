@@ -84,6 +84,7 @@ def random_instance(seed):
 NARROW = PlanSpace(idle=False, mixed_tp=False, split_types=False)
 
 
+@pytest.mark.slow          # ~11 s; tests/test_search_optimality.py covers the same by default
 def test_heteroauto_matches_exhaustive_on_random_small_instances():
     """The DFS on the lower bound and the exhaustive evaluation of every split end at the same
     simulated step (both rank their candidates by simulation)."""

@@ -52,7 +52,8 @@ stage chip={c1} chips=1 tp=1 layers=1, head
 """
 
 
-@pytest.mark.parametrize("cluster,c0,c1", [("local", "cpu-torch", "cpu-torch"),
+@pytest.mark.parametrize("cluster,c0,c1", [pytest.param("local", "cpu-torch", "cpu-torch",
+                                                         marks=pytest.mark.slow),
                                             ("local-mixed", "cpu-torch", "cpu-numpy")])
 def test_tied_run_equals_eager_and_the_ends_stay_identical(tmp_path, cluster, c0, c1):
     from executor.reference import eager_losses
