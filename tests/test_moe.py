@@ -27,11 +27,14 @@ CONFIGS = {
     "2 stages x ep2 torch": (TORCH4, 2, [("cpu-torch", "embed, 0"), ("cpu-torch", "1, head")]),
     "2 stages x ep2 torch+numpy": (MIXED4, 2, [("cpu-torch", "embed, 0"), ("cpu-numpy", "1, head")]),
     "1 stage x ep4 torch": (TORCH4, 4, [("cpu-torch", "embed, 0..1, head")]),
+    # two EP groups of 2: expert gradients also averaged over the replicas holding them
+    "1 stage x dp4 ep2 torch": (TORCH4, 4, [("cpu-torch", "embed, 0..1, head")], 2),
 }
 
 
-def _plan(tmp: Path, model: str, cluster: str, dp: int, stages, moe: str, batch="global=8 micro=2 seq=32"):
-    ep = dp
+def _plan(tmp: Path, model: str, cluster: str, dp: int, stages, moe: str, batch="global=8 micro=2 seq=32",
+          ep: int | None = None):
+    ep = ep or dp
     text = [f'model "{model}"', f'cluster "{cluster}"', f"batch {batch}", f"dp {dp}"]
     text += [f"stage chip={c} chips={dp} ep={ep} layers={l}" for c, l in stages]
     text.append(moe)
@@ -61,11 +64,12 @@ ROUTER = {"2 stages x ep2 torch+numpy": {"scoring": "sigmoid", "shared": 1, "aux
 
 
 def _ep_matches_dense(tmp, name, steps):
-    cluster, dp, stages = CONFIGS[name]
-    plan = _plan(tmp, MOE_TINY, cluster, dp, stages, f"moe ep={dp}")
+    cluster, dp, stages, *ep = CONFIGS[name]
+    ep = ep[0] if ep else dp
+    plan = _plan(tmp, MOE_TINY, cluster, dp, stages, f"moe ep={ep}", ep=ep)
     build = _build(tmp, MOE_TINY, {**SMALL, **ROUTER.get(name, {})}, plan)
     manifest = json.loads((Path(build) / "manifest.json").read_text())
-    assert all(len(w["ep_group"]) == dp for w in manifest["workers"])
+    assert all(len(w["ep_group"]) == ep for w in manifest["workers"])
     res, log = _run(build, steps)
     dense = eager_losses(build, steps, model_args={"routing": "dense"})
     assert len(res.losses) == steps
