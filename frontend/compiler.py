@@ -64,10 +64,14 @@ class BuildResult:
 
 def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch: int | None,
                 seq_len: int, schedule: str, search: str = "heuristic", model_path: str = "",
-                executable: bool = True, calibration=None, time_limit: float | None = None, log=None):
+                executable: bool = True, calibration=None, time_limit: float | None = None, log=None,
+                sparse_moe: bool = False):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
-    runs today (tp=1, ep=1: MoE experts run inside each stage)."""
-    max_tp = max_ep = 1 if executable else None
+    runs: tp = 1, and expert parallelism only for a model whose experts h2 runs sparsely
+    (`sparse_moe`: it has experts modules, frontend/moe.py); otherwise the plan has no 'moe'
+    section and the model's MoE layers run as written."""
+    max_tp = 1 if executable else None
+    max_ep = None if (sparse_moe or not executable) else 1
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
                                 schedule=schedule, method=search, calibration=calibration,
@@ -84,6 +88,10 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
         raise ValueError(f"search_plan makes 'auto' or 'uniform' plans, not {plan_arg!r}")
     plan.model = model_path or plan.model
     plan.cluster = cluster.name
+    if executable and not sparse_moe and plan.moe is not None:
+        plan.moe = None                 # a dense-form MoE: every expert inside its stage
+        for st in plan.stages:
+            st.ep = None
     return plan
 
 
@@ -222,7 +230,8 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
                                    global_batch=inp.global_batch, micro_batch=inp.micro_batch,
                                    seq_len=inp.seq_len, schedule=schedule, search=search,
                                    model_path=model_path, executable=not dry_run, calibration=cal,
-                                   time_limit=time_limit, log=log)
+                                   time_limit=time_limit, log=log,
+                                   sparse_moe=_has_experts_modules(cap.model))
     if plan.micro_batch != mb_trace:
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()
@@ -490,6 +499,11 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
                       str(out / f"weights/stage{p.index}.tp{r}.safetensors"))
         save_file({k: buffers[k].detach().numpy().copy() for k in p.consts},
                   str(out / f"weights/stage{p.index}.consts.safetensors"))
+
+
+def _has_experts_modules(model) -> bool:
+    from frontend import moe
+    return bool(moe.experts_modules(model))
 
 
 def _stage_captures(cap, model_path: str, model_args: dict, plan) -> dict:

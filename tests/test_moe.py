@@ -225,3 +225,21 @@ def test_halo_all_to_all_and_round_robin_placement_are_honoured(tmp_path):
     assert all(a["algo"] == "halo" and a["calls"] == 2 * 4 * 1 and a["bytes"] > 0
                for a in log[-1]["a2a"].values()) and len(log[-1]["a2a"]) == 4
     assert _rel(res.losses, eager_losses(build, 3, model_args={"routing": "dense"})) <= 1e-5
+
+
+@pytest.mark.slow          # ~40 s: --plan auto measures both forms' layer times
+def test_plan_auto_uses_expert_parallelism_only_for_sparse_experts(tmp_path):
+    """--plan auto may choose ep > 1 for a model whose experts h2 runs sparsely; a dense-form
+    MoE (routing=dense: no experts module) gets a plan without a 'moe' section."""
+    from h2ir.plans.dsl import load_plan
+    got = {}
+    for routing in ("sparse", "dense"):
+        out = tmp_path / routing
+        compile_model(MOE_TINY, model_args={**SMALL, "routing": routing}, cluster_arg=TORCH4,
+                      plan_arg="auto", global_batch=8, seq_len=32, out_dir=str(out),
+                      log=lambda *a: None)
+        got[routing] = load_plan(out / "plan.h2plan")
+    assert got["dense"].moe is None
+    assert got["sparse"].moe is not None
+    assert all(got["sparse"].dp % got["sparse"].stage_ep(j) == 0
+               for j in range(got["sparse"].num_stages))
