@@ -4,7 +4,9 @@ Setup (the issue's): llama_tiny (d=256, 8 layers, 8 heads, FFN 688, vocab 8192),
 layers, 8 micro-batches of 2 x 128 tokens, 1F1B, one thread per worker, AdamW, fp32.
 - anchor: torch.distributed.pipelining.Schedule1F1B over gloo, same model, split, batch and data
 - h2x: `h2c compile` with examples/plans/llama_tiny_2stage.h2plan, `h2x run` (shm transport)
-- limit: the bubble bound, single-worker eager step time / S x (m + S - 1) / m
+- limit: the bubble bound, single-worker eager step time / S x (m + S - 1) / m (equal stages)
+- this split's bound: the busiest stage's measured compute (h2x's trace) plus one micro-batch
+  through the other stage — what 1F1B allows for this uneven split (stage 1 holds the LM head)
 
 Prints median steady-state step times and the ratios h2x/anchor (>= 1.0 means h2x is faster)
 and limit/h2x (1.0 would be a perfect pipeline with no overheads).
@@ -127,8 +129,28 @@ def run_h2x(steps: int) -> dict:
     build = tempfile.mkdtemp(prefix="h2-bench-")
     compile_model(str(ROOT / "examples/llama_tiny.py"), plan_arg=str(PLAN), out_dir=build,
                   log=lambda *a: None)
-    res = run(build, steps=steps, out=lambda *a: None, predict=False)
-    return {"times": res.step_s, "losses": res.losses}
+    trace = Path(build) / "trace.json"
+    res = run(build, steps=steps, out=lambda *a: None, predict=False, trace=str(trace))
+    return {"times": res.step_s, "losses": res.losses, "split_bound": split_bound(trace)}
+
+
+def split_bound(trace: Path) -> float:
+    """The 1F1B step this split allows with h2x's own measured compute (the trace's compute
+    lane, median over steady steps): the busiest stage's work plus one micro-batch through
+    every other stage (the fill and drain no schedule avoids). The bubble bound below assumes
+    equal stages; this split is not (stage 1 holds the LM head)."""
+    ev = [e for e in json.loads(trace.read_text())["traceEvents"]
+          if e.get("ph") == "X" and e.get("cat") == "compute"]
+    steps = sorted({e["args"]["step"] for e in ev})[1:]         # steady steps
+    bounds = []
+    for st in steps:
+        busy = {}
+        for e in ev:
+            if e["args"]["step"] == st:
+                busy[e["pid"]] = busy.get(e["pid"], 0.0) + e["dur"] / 1e6
+        worst = max(busy, key=busy.get)
+        bounds.append(busy[worst] + sum(v / M for w, v in busy.items() if w != worst))
+    return statistics.median(bounds)
 
 
 def single_worker_step(steps: int) -> float:
@@ -156,12 +178,13 @@ def main():
     tokens = M * MB * SEQ
     # Alternate the two systems for --rounds rounds: this machine's speed drifts over minutes,
     # and alternating spreads that drift over both. Medians over all steady-state steps.
-    pp_t, h2_t = [], []
+    pp_t, h2_t, split = [], [], []
     for _ in range(a.rounds):
         pp = run_pipelining(a.steps)
         h2 = run_h2x(a.steps)
         pp_t += pp["times"][1:]
         h2_t += h2["times"][1:]
+        split.append(h2["split_bound"])
     single = single_worker_step(max(3, a.steps // 2))
     t_pp = statistics.median(pp_t)
     t_h2 = statistics.median(h2_t)
@@ -173,6 +196,9 @@ def main():
     print(f"  bubble-bound limit:                    {t_lim:.3f} s/step  (single worker {single:.3f} s)")
     print(f"  ratio h2x / pipelining tokens/s:   {t_pp / t_h2:.2f}")
     print(f"  ratio h2x / bubble-bound limit:    {t_lim / t_h2:.2f}")
+    t_split = statistics.median(split)
+    print(f"  this split's bound (h2x's measured stage compute): {t_split:.3f} s/step; "
+          f"ratio h2x / it: {t_split / t_h2:.2f}")
     n = min(len(pp["losses"]), len(h2["losses"]))
     diff = max(abs(x - y) / abs(y) for x, y in zip(pp["losses"][:n], h2["losses"][:n]))
     print(f"  max relative loss difference h2x vs pipelining over {n} steps: {diff:.1e}")
