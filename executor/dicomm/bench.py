@@ -145,15 +145,7 @@ def run_all_to_all(hosts: list[int], sizes: list[int], iters: int = 5, runs: int
                                json.dumps(dict(spec, rank=r))], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env, text=True)
              for r in range(len(hosts))]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise CommError(f"bench-comm all_to_all workers did not finish within {timeout:g} s") \
-            from None
+    outputs = _collect(procs, timeout, "bench-comm all_to_all workers")
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             raise CommError(f"bench-comm all_to_all worker {rank} failed (exit {p.returncode}):\n"
@@ -162,6 +154,20 @@ def run_all_to_all(hosts: list[int], sizes: list[int], iters: int = 5, runs: int
     result.update(cpus=os.cpu_count(), load_average_before=load_before,
                   load_average_after=os.getloadavg()[0], where="processes on this host (shm)")
     return result
+
+
+def _collect(procs, timeout: float, what: str) -> list:
+    """(stdout, stderr) of every process; all killed, and a CommError, past `timeout`."""
+    from executor.dicomm.errors import CommError
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise CommError(f"{what} did not finish within {timeout:g} s") from None
+    return outputs
 
 
 def a2a_worker(spec: dict) -> None:
@@ -315,14 +321,7 @@ def run_bench(transports: list[str], sizes: list[int] = SIZES, timeout: float = 
     procs = [subprocess.Popen(cmd + [str(rank), str(store.port), ",".join(transports) or "-"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
              for rank in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise CommError(f"bench-comm workers did not finish within {timeout:g} s") from None
+    outputs = _collect(procs, timeout, "bench-comm workers")
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             raise CommError(f"bench-comm worker {rank} failed (exit {p.returncode}):\n"

@@ -956,6 +956,11 @@ def analytic_llama_costs(name: str, n_layers: int, d_model: int, n_heads: int, f
                                 fwd_flops=f, bwd_flops=2 * f, act_saved_bytes=act,
                                 out_bytes=tok * d * dtype_bytes,
                                 moe=dataclasses.replace(moe, expert_params=3 * d * moe.d_ffn) if moe else None))
+    return _with_head(name, layers, b, s, d, n_heads, vocab, tok, dtype_bytes)
+
+
+def _with_head(name, layers, b, s, d, n_heads, vocab, tok, dtype_bytes) -> ModelCosts:
+    """The analytic models' LM head (final norm + [d, vocab] projection) and the ModelCosts."""
     ph = vocab * d + d
     layers.append(LayerCost("head", "head", params=ph, param_bytes=ph * dtype_bytes,
                             fwd_flops=2 * tok * d * vocab, bwd_flops=4 * tok * d * vocab,
@@ -1005,10 +1010,4 @@ def analytic_moe_costs(name: str, n_layers: int, d_model: int, n_heads: int, voc
         layers.append(LayerCost(f"block.{i}", kind, params=p, param_bytes=p * dtype_bytes,
                                 fwd_flops=fl, bwd_flops=2 * fl, act_saved_bytes=act,
                                 out_bytes=tok * d * dtype_bytes, moe=mi))
-    ph = vocab * d + d
-    layers.append(LayerCost("head", "head", params=ph, param_bytes=ph * dtype_bytes,
-                            fwd_flops=2 * tok * d * vocab, bwd_flops=4 * tok * d * vocab,
-                            act_saved_bytes=tok * (d + vocab) * dtype_bytes,
-                            out_bytes=tok * vocab * dtype_bytes))
-    return ModelCosts(model=name, micro_batch=b, seq_len=s, layers=tuple(layers), d_model=d,
-                      n_heads=n_heads, vocab=vocab, dtype_bytes=dtype_bytes)
+    return _with_head(name, layers, b, s, d, n_heads, vocab, tok, dtype_bytes)
