@@ -96,6 +96,10 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
     cal = ensure_calibration(backends) if backends else None
+    if cal is not None and "calibration_records" in m:
+        # the layer-time records the compile predicted with (none: the per-op rates), not
+        # whichever records of other models and shapes the file also holds
+        cal = cal.select(m["calibration_records"])
     streams = {w: build.stream(w) for w in range(len(build.workers))}
     comm = {}                  # TP stages are timed with their programs' own collectives
     for s, st in enumerate(build.manifest["stages"]):

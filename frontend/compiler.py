@@ -460,6 +460,11 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
+    # the layer-time records this prediction used, so h2x predicts from the same ones (a
+    # calibration file holds other models' and shapes' records too)
+    selected = getattr(cal, "selected", None) if cal is not None else None
+    if selected is not None:
+        manifest["calibration_records"] = sorted(selected)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
