@@ -1,6 +1,7 @@
 """The schedule as data: stream text round trip, one interpreter base for worker and simulator,
 schedule.csv as a time-aligned grid, and predictions made from a build's own stream files."""
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -171,3 +172,25 @@ def test_h2x_prediction_simulates_the_builds_stream_files(tiny_build, capsys):
     finally:
         for f, text in zip(files, originals):
             f.write_text(text)
+
+
+def test_h2x_predicts_with_the_records_the_compile_used(tmp_path):
+    """A calibration file holds layer times of other shapes and worker counts too: h2x's
+    prediction for a build uses the records its compile used (manifest calibration_records), so
+    the two agree — not the newest record of the model, here one measured with 4 workers."""
+    from executor.build import BuildDir
+    from executor.launcher import predicted_step_time
+    from frontend.compiler import compile_model
+    args = {"n_layers": 2, "dim": 64, "n_heads": 4, "ffn": 128, "vocab": 256, "max_seq": 64}
+    quiet = lambda *a: None      # noqa: E731
+    built = {}
+    for cluster in ("local", "examples/clusters/local4.toml"):   # the second records are newer
+        out = tmp_path / Path(cluster).stem
+        built[cluster] = (out, compile_model(
+            "examples/llama_tiny.py", model_args=args, cluster_arg=cluster, plan_arg="uniform",
+            global_batch=4, micro_batch=1, seq_len=16, out_dir=str(out), log=quiet))
+    out, res = built["local"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["calibration_records"]
+    assert predicted_step_time(BuildDir(str(out))).step_time_s == \
+        pytest.approx(res.predicted.step_time_s, rel=1e-9)
