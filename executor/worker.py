@@ -72,11 +72,12 @@ class Worker(StreamInterpreter):
         stage_moe = build.manifest["stages"][self.stage_idx].get("moe")
         self.moe = MoEState(stage_moe, len(self.ep_group), self.ep_rank)
         moe_cfg = build.manifest.get("moe") or {}
-        self.tp_comm = StageComm(lambda: self.comm, self.be, tp_group=self.tp_group,
-                                 tp_rank=self.tp_rank, ep_group=self.ep_group,
-                                 a2a=moe_cfg.get("a2a", "flat"),
-                                 hosts=[build.workers[g].get("host", 0) for g in self.ep_group],
-                                 moe=self.moe, loss_scale=1.0 / self.m) \
+        # the comm hook of the stage programs: TP collectives, EP all-to-alls, MoE loads
+        self.prog_comm = StageComm(lambda: self.comm, self.be, tp_group=self.tp_group,
+                                   tp_rank=self.tp_rank, ep_group=self.ep_group,
+                                   a2a=moe_cfg.get("a2a", "flat"),
+                                   hosts=[build.workers[g].get("host", 0) for g in self.ep_group],
+                                   moe=self.moe, loss_scale=1.0 / self.m) \
             if len(self.tp_group) > 1 or stage_moe or comm_ops(st.fwd) | comm_ops(st.bwd) else None
         self.sent_bytes = {"act": 0, "grad": 0}    # boundary bytes this worker sent (per step)
         weights = build.path / w["weights"] if w.get("weights") else st.weights
@@ -138,7 +139,7 @@ class Worker(StreamInterpreter):
             m = self.build.manifest
             seed = dropout_seed(m["seed"], self.step, self.replica, m["dp"], self.m, mb)
             env[DROPOUT_SEED_INPUT] = self.be.from_numpy(np.array(seed, dtype=np.int64), "i64")
-        outs = run_program(self.st.fwd, self.be, env, comm=self.tp_comm)
+        outs = run_program(self.st.fwd, self.be, env, comm=self.prog_comm)
         n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
         computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]
         result = dict(zip(computed, outs[:n_out]))
@@ -166,7 +167,7 @@ class Worker(StreamInterpreter):
 
     def bwd(self, ins):
         env, received = self._bwd_env(ins.mb)
-        outs = run_program(self.st.bwd, self.be, env, comm=self.tp_comm)
+        outs = run_program(self.st.bwd, self.be, env, comm=self.prog_comm)
         self._take_grads(ins.mb, dict(zip(self.sig["input_grads"], outs)), received)
 
     def bwd_input(self, ins):
@@ -174,7 +175,7 @@ class Worker(StreamInterpreter):
         need — saved values, output gradients, B's shared intermediates — is kept."""
         zb = self.st.zero_bubble
         env, received = self._bwd_env(ins.mb)
-        outs = run_program(zb["bwd_input"], self.be, env, comm=self.tp_comm)
+        outs = run_program(zb["bwd_input"], self.be, env, comm=self.prog_comm)
         n = len(zb["b_outputs"])
         keep = {k: env[k] for k in zb["w_inputs"]}
         keep.update(zip(zb["stash"], outs[n:]))
@@ -187,7 +188,7 @@ class Worker(StreamInterpreter):
         env = dict(self.params)
         env.update(self.consts)
         env.update(self.w_pending.pop(ins.mb))
-        outs = run_program(zb["bwd_weight"], self.be, env, comm=self.tp_comm)
+        outs = run_program(zb["bwd_weight"], self.be, env, comm=self.prog_comm)
         self._take_grads(ins.mb, dict(zip(zb["w_outputs"], outs)), None)
 
     def _take_grads(self, mb: int, grads: dict, received: dict | None):
@@ -357,10 +358,10 @@ class Worker(StreamInterpreter):
                 ev["loss"] = float(np.mean(self.losses))
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
-                if self.tp_comm is not None and self.tp_comm.a2a_calls:
-                    ev["a2a"] = {"algo": self.tp_comm.a2a, "calls": self.tp_comm.a2a_calls,
-                                 "bytes": self.tp_comm.a2a_bytes}
-                    self.tp_comm.a2a_calls = self.tp_comm.a2a_bytes = 0
+                if self.prog_comm is not None and self.prog_comm.a2a_calls:
+                    ev["a2a"] = {"algo": self.prog_comm.a2a, "calls": self.prog_comm.a2a_calls,
+                                 "bytes": self.prog_comm.a2a_bytes}
+                    self.prog_comm.a2a_calls = self.prog_comm.a2a_bytes = 0
                 t = time.perf_counter() - self.t_origin     # loads as trace counters
                 for layer, r in ev["moe"].items():
                     self.trace.append(("counter", f"tokens per expert {layer}", t, 0.0, step,
