@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,8 @@ from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import A2A_ALGOS, PLACEMENTS, MoEPlan, Plan, StagePlan
 from h2ir.plans.dsl import format_layers, format_plan, load_plan, parse_plan
+
+ROOT = Path(__file__).resolve().parent.parent
 from h2ir.planner.validate import validate_plan
 
 # ----------------------------------------------------------------------------------------------
@@ -533,3 +536,17 @@ def test_load_plan_tolerates_a_byte_order_mark(tmp_path):
     f = tmp_path / "bom.h2plan"
     f.write_bytes("\ufeff".encode() + EXAMPLE_100B.encode())
     assert load_plan(f) == parse_plan(EXAMPLE_100B)
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (ROOT / "examples/plans").glob("*.h2plan")))
+def test_shipped_plans_validate_against_their_models(path):
+    """Every plan under examples/plans parses, round-trips and validates against the model and
+    cluster it names (the README's commands compile them)."""
+    from frontend.capture import capture
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.planner.validate import validate_plan
+    plan = load_plan(path)
+    assert parse_plan(format_plan(plan)) == plan
+    costs = capture(str(ROOT / plan.model), {}, plan.micro_batch, plan.seq_len).layer_costs()
+    validate_plan(plan, costs, load_cluster(str(ROOT / plan.cluster) if plan.cluster.endswith(".toml")
+                                            else plan.cluster))
