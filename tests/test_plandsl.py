@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 from pathlib import Path
 
