@@ -85,7 +85,6 @@ class MoEState:
         self.placement = {path: list(e["placement"]) for path, e in experts.items()}
         self.params = {path: list(e["params"]) for path, e in experts.items()}
         self.num_experts = {path: int(e["experts"]) for path, e in experts.items()}
-        self.migrations = 0
         self.load_ema: dict[str, list[float]] = {}       # layer -> averaged loads (all replicas)
         self.reset()
 
@@ -211,7 +210,6 @@ def migrate_experts(worker, moe: MoEState, ep_group: list[int], threshold: float
         moved[p] = {"before": round(before, 4), "after": round(imbalance(per_layer[p], new, ep), 4),
                     "placement": list(new)}
     if moved:
-        moe.migrations += 1
         worker.set_placement_consts(moe.placement)
     moe.migrated = moved
     return moved
@@ -226,6 +224,8 @@ def _move(worker, moe: MoEState, layer: str, old: list[int], new: list[int], ep:
     tables = [("param", worker.params), ("exp_avg", worker.exp_avg), ("exp_avg_sq", worker.exp_avg_sq)]
     names = moe.params[layer]
     host = {(t, k): np.array(be.to_numpy(tab[k])) for t, tab in tables for k in names if k in tab}
+    if not host:                     # before anything is sent: no rank is left waiting
+        raise H2Error(f"worker w{worker.wid}: MoE layer {layer} has no expert weights here")
     # sends first: DiComm buffers on the receiving side, so no order of ranks can deadlock
     for s_new, e in enumerate(new):
         src, dst = slot_old[e] // per, s_new // per
@@ -247,5 +247,3 @@ def _move(worker, moe: MoEState, layer: str, old: list[int], new: list[int], ep:
         for k in names:
             if (t, k) in fresh:
                 tab[k] = be.from_numpy(np.ascontiguousarray(fresh[(t, k)]), "f32")
-    if not host:
-        raise H2Error(f"worker w{worker.wid}: MoE layer {layer} has no expert weights here")

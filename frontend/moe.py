@@ -159,10 +159,6 @@ def load_balancing_loss(probs: torch.Tensor, top_k_index: torch.Tensor, num_expe
     return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * num_experts
 
 
-A2A_OP = torch.ops.h2moe.all_to_all.default
-STATS_OP = torch.ops.h2moe.stats.default
-
-
 # ---- experts modules ---------------------------------------------------------------------------
 
 def is_experts_module(m: nn.Module) -> bool:
