@@ -536,8 +536,9 @@ def _stage_programs(caps: dict, plan, name: str) -> list:
     from frontend import moe
     layers = [list(s.layers) for s in plan.stages]
     built = {}
+    used = {plan.stage_ep(s) for s in range(len(plan.stages))}
     for ep, c in caps.items():
-        if ep == 1 or any(plan.stage_ep(s) == ep for s in range(len(plan.stages))):
+        if ep in used:      # caps[1] also serves model.h2ir: no programs unless a stage uses it
             try:
                 built[ep] = build_stage_programs(c, layers, name=name,
                                                  tp=[s.tp for s in plan.stages])
