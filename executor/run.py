@@ -409,11 +409,20 @@ def main(argv=None) -> int:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as f:
                 os.dup2(f.fileno(), 2)
-        return serve(a, console)
+        rc = serve(a, console)
     except H2Error as e:
         write_error_file(str(e))
         print(str(e), file=console, flush=True)
         return 2
+    # Done: every worker has passed `finished`, so nothing is left to say. Leave without the
+    # interpreter's teardown: it ran C++ destructors while the heartbeat thread sat in a store
+    # call, and some runs (1 in 4 to 6 on the 2-host test bed) aborted there ("terminate called without an active
+    # exception", SIGABRT) -- torchrun then called the host failed and the other hosts' agents
+    # waited out their 300 s exit barrier.
+    for f in (sys.stdout, sys.stderr, console):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(rc)
 
 
 # ---- `h2x run --nnodes`: torchrun's launcher, started with the right arguments -------------------

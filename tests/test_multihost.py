@@ -100,12 +100,18 @@ def _run_two_hosts(build: Path, log: Path, *extra) -> tuple[str, str, list[set]]
         addrs = [tb.addr(0), tb.addr(1)]
         deadline = time.monotonic() + 240
         while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in ps):     # a failed host: the rest follow
+                deadline = min(deadline, time.monotonic() + 20)
             for i in range(2):
                 seen[i] |= _listeners(tb, i)
             time.sleep(0.3)
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
         outs = [p.communicate(timeout=30)[0] for p in ps]
         for i, p in enumerate(ps):
-            assert p.returncode == 0, f"host {i}:\n{outs[i]}"
+            assert p.returncode == 0, "\n".join(f"host {j} (exit {q.returncode}):\n{outs[j]}"
+                                                 for j, q in enumerate(ps))
     seen = [{s for s in listen} for listen in seen]
     for i, listen in enumerate(seen):
         bad = [s for s in listen if not (s.startswith(addrs[i] + ":") or s.startswith("127.")
