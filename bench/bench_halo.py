@@ -41,6 +41,7 @@ SIZES = [4096, 32768, 262144, 1 << 21]
 FRONTIER_GPUS = [64, 128, 256, 512, 1024]
 FRONTIER_BYTES = [1 << 20, 8 << 20, 64 << 20]      # bytes each GPU sends per all-to-all
 PORT = 29471
+DUPLEX_BYTES = 4 << 20      # one message each way at once: the inter_single_bw term
 
 
 def load() -> str:
@@ -58,16 +59,18 @@ def measure(rate_mbit: float, sizes: list[int], iters: int, runs: int) -> dict:
         spec = {"world": len(HOSTS), "hosts": HOSTS, "sizes": sizes, "iters": iters,
                 "runs": runs, "store_host": tb.addr(0), "port": PORT, "host_store": True,
                 "transport": "shm",
-                "calibrate": {"latency_bytes": 64, "stream_bytes": stream, "stream_count": count}}
+                "calibrate": {"latency_bytes": 64, "stream_bytes": stream, "stream_count": count,
+                              "duplex_bytes": [DUPLEX_BYTES]}}
         procs = [tb.run(h, [sys.executable, "-m", "executor.dicomm.bench", "--a2a-worker",
                             json.dumps(dict(spec, rank=r, listen=tb.addr(h)))],
                         env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         text=True) for r, h in enumerate(HOSTS)]
         outs = [p.communicate(timeout=900) for p in procs]
+        burst = tb.tbf_burst(rate_mbit)
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             raise SystemExit(f"a2a worker {r} failed (exit {p.returncode}):\n{err[-3000:]}")
-    return json.loads(outs[0][0])
+    return dict(json.loads(outs[0][0]), tbf_burst=burst)
 
 
 def memcpy_bps(nbytes: int = 8 << 20) -> float:
@@ -91,9 +94,19 @@ def digest_bps(nbytes: int = 8 << 20) -> float:
     return nbytes / best
 
 
-def testbed_topology(cal: dict, copy_bw: float, digest_bw: float) -> alltoall.Topology:
-    """The cost model's terms, all measured in this run."""
+def testbed_topology(cal: dict, copy_bw: float, digest_bw: float, burst: float = 0.0,
+                     cores: int | None = None) -> alltoall.Topology:
+    """The cost model's terms, all measured in this run, plus two facts of the test bed: tbf's
+    bucket and the cores all emulated hosts share (HOSTS ranks on `cores`)."""
+    inter = cal["inter"]
+    single = None
+    if inter.get("duplex"):
+        size, t = inter["duplex"][-1]
+        single = size / max(1e-9, t - inter["latency_s"])
+    cores = cores or os.cpu_count() or 1
     return alltoall.Topology(
+        inter_single_bw=single, nic_burst=burst,
+        intra_contention=max(1.0, len(HOSTS) / cores),
         ranks_per_node=2, nics_per_node=1,
         nic_bw=cal["inter"]["bandwidth_Bps"], inter_latency=cal["inter"]["latency_s"],
         inter_gap=cal["inter"]["gap_s"],
@@ -105,7 +118,7 @@ def testbed_topology(cal: dict, copy_bw: float, digest_bw: float) -> alltoall.To
 def report(rate: float, m: dict, copy_bw: float, digest_bw: float) -> list[dict]:
     from executor.dicomm.bench import _size
     cal = m["calibration"]
-    topo = testbed_topology(cal, copy_bw, digest_bw)
+    topo = testbed_topology(cal, copy_bw, digest_bw, m.get("tbf_burst", 0.0))
     n = len(HOSTS)
     print(f"\n== tbf {rate:g} Mbit/s: 2 hosts x 2 ranks (shm inside a host, tcp across); "
           f"load average {load()}")
@@ -128,6 +141,18 @@ def report(rate: float, m: dict, copy_bw: float, digest_bw: float) -> list[dict]
                      "predicted_halo_s": alltoall.halo_time(b, n, topo)})
         print(f"{_size(size):>8} {f * 1e3:9.2f} {h * 1e3:9.2f} {meas:18.2f}x {pred:9.2f}x "
               f"{pred / meas:10.2f}")
+    for size, t in cal["inter"].get("duplex", []):
+        print(f"   one {_size(size)} message each way at once: {t * 1e3:.2f} ms "
+              f"({topo.inter_single_bw * 8 / 1e6:.0f} Mbit/s, the exchange's rate); tbf bucket "
+              f"{topo.nic_burst / 1024:.0f} KiB; intra contention x{topo.intra_contention:g} "
+              f"({len(HOSTS)} ranks on {os.cpu_count()} cores)")
+    print("   HALO phases on rank 0 (an aggregator), ms, measured mean / predicted: "
+          "gather, exchange, scatter")
+    for size, ph in zip(m["sizes"], m.get("halo_phases_s", [])):
+        pr = alltoall.halo_phases(n * size, n, topo)
+        rows[m["sizes"].index(size)].update(phases_s=ph, predicted_phases_s=list(pr))
+        print(f"{_size(size):>8} " + "  ".join(f"{a * 1e3:7.2f} / {b * 1e3:6.2f}"
+                                             for a, b in zip(ph, pr)))
     return rows
 
 

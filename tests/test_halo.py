@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import uuid
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -159,6 +161,29 @@ def test_cost_model_is_flat_on_one_node_and_zero_for_nothing():
         assert alltoall.halo_time(b, 8, topo) == alltoall.flat_time(b, 8, topo) > 0
     assert alltoall.flat_time(0, 64, topo) == alltoall.halo_time(1 << 20, 1, topo) == 0.0
     assert sum(alltoall.halo_phases(1 << 20, 64, topo)) == alltoall.halo_time(1 << 20, 64, topo)
+
+
+def test_cost_model_testbed_terms_act_where_they_should():
+    """The three terms bench_halo measures on the emulated hosts: one flow each way at once
+    (the exchange's rate, checksums included), tbf's bucket (refilled while the link sat idle in
+    gather and scatter) and the hosts' shared cores (gather and scatter only)."""
+    base = alltoall.Topology(ranks_per_node=2, nic_bw=118e6, intra_bw=8e9, intra_latency=50e-6,
+                             inter_latency=200e-6, copy_bw=25e9, digest_bw=3e9)
+    b, n = 4 * (2 << 20), 4
+    g, x, s = alltoall.halo_phases(b, n, base)
+    buffer = 2 * 2 * (2 << 20)
+    slow = replace(base, inter_single_bw=100e6)
+    g1, x1, s1 = alltoall.halo_phases(b, n, slow)
+    assert (g1, s1) == (g, s) and x1 == pytest.approx(buffer / 100e6 + 200e-6 * 2, rel=1e-9)
+    assert alltoall.flat_time(b, n, slow) == alltoall.flat_time(b, n, base)   # flat streams
+    g2, x2, s2 = alltoall.halo_phases(b, n, replace(base, intra_contention=2.0))
+    assert x2 <= x and g2 - 50e-6 == pytest.approx(2 * (g - 50e-6))
+    assert s2 - 50e-6 == pytest.approx(2 * (s - 50e-6))
+    # the bucket saves at most its size, and at most what the idle link earned
+    big = alltoall.halo_phases(b, n, replace(base, nic_burst=1 << 30))[1]
+    assert x - big == pytest.approx(g + s, rel=1e-9)
+    one = alltoall.halo_phases(b, n, replace(base, nic_burst=64 << 10))[1]
+    assert x - one == pytest.approx((64 << 10) / 118e6, rel=1e-9)
 
 
 def test_topology_of_cluster_and_group():

@@ -338,11 +338,16 @@ class Testbed:
             else:
                 _tc("-n", ns, "qdisc", "replace", "dev", dev, "root", *self._tbf_args(rate_mbit))
 
+    def tbf_burst(self, rate_mbit: float) -> int:
+        """tbf's bucket at `rate_mbit`, bytes: what passes at once after the link has been idle
+        long enough (1 ms at rate, at least one 64 KiB GSO packet: smaller would make tbf split
+        every TSO packet)."""
+        return self.burst_bytes or max(64 * 1024, int(rate_mbit * 1e6 / 8 * 1e-3))
+
     def _tbf_args(self, rate_mbit: float) -> list[str]:
         rate_bps = rate_mbit * 1e6 / 8
-        # bucket: 1 ms at rate, at least one 64 KiB GSO packet (smaller would make tbf split
-        # every TSO packet); queue: latency_s at rate on top, capped so tc's u32 limit holds
-        burst = self.burst_bytes or max(64 * 1024, int(rate_bps * 1e-3))
+        # queue: latency_s at rate on top of the bucket, capped so tc's u32 limit holds
+        burst = self.tbf_burst(rate_mbit)
         limit = min(int(rate_bps * self.latency_s) + burst, 1 << 30)
         return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
 

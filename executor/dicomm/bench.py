@@ -175,6 +175,7 @@ def a2a_worker(spec: dict) -> None:
     bench/bench_halo.py). spec: rank, world, hosts, sizes, iters, runs, store_host, port, listen,
     transport, and optional calibrate (point-to-point latency/bandwidth from rank 0 to a peer
     on its host and one on another, for the cost model). Rank 0 prints the JSON result."""
+    from executor.dicomm import halo
     from executor.dicomm.comm import connect
 
     rank, world, hosts = spec["rank"], spec["world"], spec["hosts"]
@@ -189,9 +190,11 @@ def a2a_worker(spec: dict) -> None:
            "flat_s": [], "halo_s": []}
     for algo in ("flat", "halo"):      # open every link before timing
         comm.all_to_all([np.zeros(1, np.float32)] * world, group, algo=algo, hosts=hosts)
+    out["halo_phases_s"] = []         # this rank's mean (gather, exchange, scatter) per size
     for size in spec["sizes"]:
         arrays = [np.full(max(1, size // 4), rank, np.float32) for _ in group]
         best = {"flat": float("inf"), "halo": float("inf")}
+        halo.reset_phases()
         for _ in range(spec["runs"]):
             for algo in best:          # alternate, so both see the same machine load
                 comm.barrier()
@@ -202,6 +205,9 @@ def a2a_worker(spec: dict) -> None:
                 best[algo] = min(best[algo], (time.perf_counter() - t0) / spec["iters"])
         out["flat_s"].append(best["flat"])
         out["halo_s"].append(best["halo"])
+        calls = max(1, halo.PHASE_S["calls"])
+        out["halo_phases_s"].append([halo.PHASE_S[k] / calls
+                                     for k in ("gather", "exchange", "scatter")])
     if spec.get("calibrate"):
         out["calibration"] = _calibrate(comm, rank, hosts, spec["calibrate"])
     out["links"] = comm.links()
@@ -258,6 +264,8 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                 gap = min(gap, (time.perf_counter() - t0) / 200)
             got[name] = {"peer": peer, "latency_s": float(np.median(times[3:])) / 2,
                          "bandwidth_Bps": best, "single_Bps": single, "gap_s": gap}
+            if name == "inter" and sizes.get("duplex_bytes"):
+                got[name]["duplex"] = _duplex(comm, peer, sizes["duplex_bytes"], True)
         elif rank == peer:
             for i in range(23):
                 comm.send(0, comm.recv(0, kind=f"cal-{name}-ping", mb=i),
@@ -274,8 +282,32 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                 for i in range(200):
                     comm.recv(0, kind=f"cal-{name}-gap{rep}", mb=i)
                 comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-gapdone", mb=rep)
+            if name == "inter" and sizes.get("duplex_bytes"):
+                _duplex(comm, 0, sizes["duplex_bytes"], False)
         comm.barrier()
     return got
+
+
+def _duplex(comm, peer: int, sizes: list[int], lead: bool) -> list[list[float]]:
+    """One message of each size both ways at once between this rank and `peer` (HALO's exchange
+    is such a pair): [size, median seconds until the peer's message has arrived] per size, on
+    the leading side. A 64-byte go message aligns the starts (within half a latency)."""
+    out = []
+    go = np.zeros(16, np.float32)
+    for size in sizes:
+        big = np.ones(max(1, size // 4), np.float32)
+        ts = []
+        for i in range(5):
+            if lead:
+                comm.send(peer, go, kind="cal-dx-go", mb=size * 8 + i)
+            else:
+                comm.recv(peer, kind="cal-dx-go", mb=size * 8 + i)
+            t0 = time.perf_counter()
+            comm.send(peer, big, kind="cal-dx", mb=size * 8 + i)
+            comm.recv(peer, kind="cal-dx", mb=size * 8 + i)
+            ts.append(time.perf_counter() - t0)
+        out.append([size, float(np.median(ts[1:]))])
+    return out
 
 
 def format_all_to_all(result: dict) -> str:

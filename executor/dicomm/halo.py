@@ -22,6 +22,7 @@ A bundle is one int32 frame: a msgpack table of (dtype, shape) per array, then t
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -32,6 +33,16 @@ from executor.dicomm.errors import CommError
 from executor.dicomm.frame import DTYPES, contiguous, dtype_name
 
 _ALIGN = 8
+
+# Where this process's HALO calls spent their time, summed since the last reset (bench_halo
+# prints it beside the model's phases). On an aggregator: gather = start until its first
+# aggregated buffer is packed, exchange = until its last buffer from a peer aggregator arrived,
+# scatter = the rest; a rank that aggregates nothing counts only `calls`.
+PHASE_S = {"gather": 0.0, "exchange": 0.0, "scatter": 0.0, "calls": 0}
+
+
+def reset_phases() -> None:
+    PHASE_S.update(gather=0.0, exchange=0.0, scatter=0.0, calls=0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ def all_to_all(comm, arrays: list[np.ndarray], group: list[int], p: HaloPlan,
                kind: str) -> list[np.ndarray]:
     """HALO all-to-all on `comm` (a Comm): arrays[i] goes to group[i]; outs[i] came from
     group[i]. `kind` is this call's unique tag prefix."""
+    t0 = time.perf_counter()
     me = group.index(comm.rank)
     home = p.node_of[me]
     local = p.nodes[home]
@@ -93,18 +105,21 @@ def all_to_all(comm, arrays: list[np.ndarray], group: list[int], p: HaloPlan,
             comm.send(group[agg], bundle, kind=k_gather, mb=m)
 
     # (b) exchange: one buffer per remote node this rank aggregates
+    t1 = t2 = None
     for m in mine:
         bundles = [kept.pop(m) if s == me else comm.recv(group[s], k_gather, m, view=True)
                    for s in local]
         buffer = pack(bundles, _scratch(comm, ("exchange", m)))
         comm.release()
+        t1 = t1 or time.perf_counter()
         comm.send(group[p.aggregator(m, home)], buffer, kind=k_exchange, mb=home)
 
     # (c) scatter: split each buffer by local destination
     for m in mine:
         peer = group[p.aggregator(m, home)]
-        per_src = [unpack(b, copy=False) for b in
-                   unpack(comm.recv(peer, k_exchange, m, view=True), copy=False)]
+        got = comm.recv(peer, k_exchange, m, view=True)
+        t2 = time.perf_counter()
+        per_src = [unpack(b, copy=False) for b in unpack(got, copy=False)]
         if len(per_src) != len(p.nodes[m]) or any(len(a) != len(local) for a in per_src):
             raise CommError(f"rank {comm.rank}: HALO buffer from rank {peer} does not match the "
                             f"group layout (the members passed different hosts=)", peer)
@@ -132,6 +147,12 @@ def all_to_all(comm, arrays: list[np.ndarray], group: list[int], p: HaloPlan,
                             f"{len(got)} arrays, expected {len(p.nodes[m])}", group[agg])
         for s, a in zip(p.nodes[m], got):
             outs[s] = a
+    t3 = time.perf_counter()
+    PHASE_S["calls"] += 1
+    if t1 is not None:
+        PHASE_S["gather"] += t1 - t0
+        PHASE_S["exchange"] += t2 - t1
+        PHASE_S["scatter"] += t3 - t2
     return outs
 
 

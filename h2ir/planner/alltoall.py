@@ -31,6 +31,14 @@ HALO  Piper (arXiv 2605.05049) HALO all-to-all, as halo.py implements it, three 
       (N-1 per node over the NICs instead of k(n-k)) and the two intra-node phases (plus the
       aggregator's pack/unpack copies at `copy_bw`).
 
+Three terms describe what the emulated test bed (examples/testbed) does differently from a
+machine of its own, each measured or read off the test bed by bench/bench_halo.py, never fitted
+to an all-to-all: `inter_single_bw` (one flow each way at once, HALO's exchange, is slower than
+a stream of several), `nic_burst` (tc tbf's token bucket: HALO's exchange finds the link idle
+after its gather) and `intra_contention` (every emulated host shares one machine's cores, so
+the gathers and scatters that run on all hosts at once get a share of them). Their defaults
+(None, 0, 1) leave a real cluster's model as above.
+
 Units: bytes, bytes/s, seconds.
 """
 from __future__ import annotations
@@ -56,6 +64,20 @@ class Topology:
     # each copy in series), below the streaming intra_bw; HALO's gather and scatter are such
     # transfers on its critical path (None: intra_bw)
     intra_single_bw: float | None = None
+    # the rate of ONE inter-node message each way at once, checksums included (HALO's exchange
+    # is such a pair per node pair). One flow per direction reaches less than a stream of
+    # several: on the test bed 780-830 Mbit/s against 940 at 1 Gbit/s, as each direction's
+    # ACKs queue behind the other direction's data. None: nic_bw, plus digest_bw's checksums
+    inter_single_bw: float | None = None
+    # a token-bucket rate limiter's bucket on the inter-node link (tc tbf on the test bed;
+    # 0 on a real NIC), bytes: after the link was idle for t, min(nic_burst, t * nic_bw) bytes
+    # pass at once. HALO's exchange finds the link idle for its gather and scatter
+    nic_burst: float = 0.0
+    # how many times slower intra-node transfers and copies run when every node does them at
+    # once: 1 on a real cluster; on the emulated test bed all hosts share one machine's cores,
+    # so HALO's gather and scatter, which run on every host at the same time, get
+    # cores / ranks of them (the calibration measured one pair with the others idle)
+    intra_contention: float = 1.0
     nodes_per_switch: int | None = None   # nodes under one switch (None: one switch for all)
     switch_latency: float = 0.0      # extra per message that leaves its switch group, s
 
@@ -163,15 +185,22 @@ def halo_phases(bytes_per_rank: float, ranks: int, topo: Topology) -> tuple[floa
         scatter = max(scatter, copy(h * buffer) + max(
             h * (k - 1) * (bundle / bw + g_intra),
             (R - h) * (bundle / bw + g_intra)))
-    gather += topo.intra_latency
-    scatter += topo.intra_latency
+    gather = gather * topo.intra_contention + topo.intra_latency
+    scatter = scatter * topo.intra_contention + topo.intra_latency
     # (b) exchange: local rank j's messages go out through NIC j mod nics; the busiest NIC bounds;
-    # one latency and one buffer's checksums (the aggregator's messages stream one after another)
+    # one latency and one buffer's checksums (the aggregator's messages stream one after another),
+    # or all of it at inter_single_bw; less what a rate limiter's bucket, refilled while the link
+    # sat idle during gather and scatter, lets through at once
     per_nic = [0] * topo.nics_per_node
     for j in range(k):
         per_nic[j % topo.nics_per_node] += aggregated_nodes(j, k, R)
     lat = topo.inter_latency + _switch_extra(N, topo)
-    exchange = max(per_nic) * (buffer / topo.nic_bw + g_inter) + lat + _digest(buffer, topo)
+    nbytes = max(per_nic) * buffer
+    nbytes = max(0.0, nbytes - min(topo.nic_burst, (gather + scatter) * topo.nic_bw))
+    if topo.inter_single_bw:
+        exchange = nbytes / topo.inter_single_bw + max(per_nic) * g_inter + lat
+    else:
+        exchange = nbytes / topo.nic_bw + max(per_nic) * g_inter + lat + _digest(buffer, topo)
     return gather, exchange, scatter
 
 
