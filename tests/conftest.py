@@ -13,8 +13,25 @@ os.environ.setdefault("H2_CALIBRATION", str(Path(os.environ.get("TMPDIR", "/tmp"
 BIN = Path(sys.executable).parent
 
 
+_FORK = None
+
+
 def run_cli(*args, timeout=300, **kw):
-    """Run an h2 console script (h2c/h2x) as a user would; returns CompletedProcess."""
+    """Run an h2 console script (h2c/h2x) as a user would; returns CompletedProcess. The process
+    is forked from a warm parent that has torch imported (tests/forkserver.py): its own exit
+    status, output, cwd and environment, without a fresh interpreter's imports.
+    H2_TEST_FRESH_PROCESSES=1, or any subprocess.run argument other than cwd/env, runs the
+    installed console script in a fresh interpreter instead."""
+    global _FORK
+    if os.environ.get("H2_TEST_FRESH_PROCESSES") != "1" and set(kw) <= {"cwd", "env"}:
+        if _FORK is None:
+            import atexit
+
+            from forkserver import ForkServer
+            _FORK = ForkServer()
+            atexit.register(_FORK.close)
+        return _FORK.run(list(args), cwd=kw.get("cwd", ROOT), env=kw.get("env"),
+                         timeout=timeout)
     exe = BIN / args[0]
     cmd = [str(exe), *args[1:]] if exe.exists() else [sys.executable, "-m",
                                                       {"h2c": "frontend.cli", "h2x": "executor.cli"}[args[0]],

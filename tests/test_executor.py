@@ -60,10 +60,11 @@ def _losses(log: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in log.read_text().splitlines()]
 
 
-# torch+numpy (both backends in one pipeline) and torch|torch (dp 2) by default; the rest in
-# make test-slow
+# torch+numpy (both backends in one pipeline) by default; the rest in make test-slow (a dp 2
+# run against a reference also runs by default in test_multihost's dp case)
 @pytest.mark.parametrize("kind", [pytest.param("torch+torch", marks=pytest.mark.slow), "torch+numpy",
-                                  pytest.param("numpy", marks=pytest.mark.slow), "torch|torch"])
+                                  pytest.param("numpy", marks=pytest.mark.slow),
+                                  pytest.param("torch|torch", marks=pytest.mark.slow)])
 def test_losses_equal_eager_pytorch(builds, kind, tmp_path):
     """'+' separates pipeline stages, '|' data-parallel replicas of one stage."""
     from executor.reference import eager_losses

@@ -173,6 +173,7 @@ def _wait_for(p_out_lines: list, pattern: str, p, timeout: float):
 
 
 @needs_netns
+@pytest.mark.slow           # 16 s; the default suite keeps the two runs above
 def test_killed_host_stops_run_naming_it(builds, tmp_path):
     b = builds["dp"]
     with Testbed(2) as tb:
