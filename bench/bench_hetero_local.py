@@ -52,6 +52,48 @@ def run_once(b: dict, steps: int) -> tuple[float, float]:
     return statistics.median(r.step_s[1:]), pred
 
 
+def balance_bound(b: dict, uniform_step_s: float) -> str | None:
+    """The most any plan can gain over `uniform` here: a step of m micro-batches does m times
+    every layer's forward and backward, so no plan beats m * T*, T* = 1 / sum over workers of
+    1 / A(worker's backend), A = all layers of one micro-batch on that backend, with the layer
+    times the auto build was compiled with (perfect balance, no bubble, no communication).
+    Returns the line to print, or None without those records."""
+    import json
+
+    from h2ir.clusters.clusterfile import load_cluster
+    from h2ir.planner.calibration import calibration_path
+    out = Path(b["out"])
+    man = json.loads((out / "manifest.json").read_text())
+    ids = man.get("calibration_records")
+    if not ids or not calibration_path().is_file():
+        return None
+    recs = json.loads(calibration_path().read_text()).get("layer_records", {})
+    plan = b["plan"]
+    n_layers = sum(len(st.layers) for st in plan.stages)
+    per_backend = {}
+    for i in ids:
+        r = recs.get(i)
+        if r is None or r["key"]["micro_batch"] != plan.micro_batch:
+            continue
+        t = {kind: v["fwd_s"] + v["bwd_s"] for kind, v in r["layers"].items()}
+        blocks = n_layers - sum(1 for k in t if k != "transformer_block")
+        per_backend[r["key"]["backend"]] = sum(v for k, v in t.items()
+                                               if k != "transformer_block") + \
+            blocks * t.get("transformer_block", 0.0)
+    cluster = load_cluster(str(out / "cluster.toml"))
+    workers = [cluster.chip_types[g.chip].backend for g in cluster.groups for _ in range(g.chips)]
+    if not per_backend or any(w not in per_backend for w in workers):
+        return None
+    t_star = 1.0 / sum(1.0 / per_backend[w] for w in workers)
+    m = plan.global_batch // plan.micro_batch
+    floor = m * t_star
+    speeds = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(per_backend.items()))
+    return (f"  bound: all layers of one micro-batch (fwd+bwd) take {speeds}; with "
+            f"{len(workers)} workers no plan's step is under {m} x {t_star * 1e3:.1f} ms = "
+            f"{floor:.3f} s, so auto / uniform <= {uniform_step_s / floor:.2f} (uniform measured "
+            f"{uniform_step_s:.3f} s)")
+
+
 def err(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
@@ -93,6 +135,9 @@ def main():
                   f"{m:.3f} s/step, predicted {pred:.3f} s ({err(pred, m):+.1%})")
         ratio = statistics.median(meas["uniform"]) / statistics.median(meas["auto"])
         print(f"  ratio auto / uniform throughput (medians of {a.runs} runs): {ratio:.2f}")
+        line = balance_bound(builds["auto"], statistics.median(meas["uniform"]))
+        if line:
+            print(line)
     print(f"predicted vs measured over all {len(errors)} runs: worst {max(errors, key=abs):+.1%}, "
           f"mean |error| {statistics.mean(abs(e) for e in errors):.1%}; "
           f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")

@@ -131,8 +131,7 @@ def _child(req: dict) -> None:
 def serve() -> None:
     sys.path.insert(0, str(ROOT))
     import importlib
-    import torch  # noqa: F401 - the point: imported once, before any fork
-    for mod in MAINS.values():
+    for mod in ("torch", *MAINS.values()):     # the point: imported once, before any fork
         importlib.import_module(mod)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
