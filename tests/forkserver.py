@@ -67,6 +67,9 @@ class ForkServer:
                 except ProcessLookupError:
                     pass
                 reader.join(30)
+                if reader.is_alive():           # no exit reported: start a new parent next time
+                    proc.kill()
+                    self.proc = None
                 raise subprocess.TimeoutExpired(argv, timeout, output=_read(out),
                                                 stderr=_read(err))
             return subprocess.CompletedProcess(argv, result["rc"], _read(out), _read(err))
