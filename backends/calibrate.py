@@ -38,9 +38,47 @@ def measure_backend(backend: str, quick: bool = False) -> dict:
     min_time = 0.05 if quick else 0.3
     r = import_module(entry(backend).calibrate).measure(sizes, mem_mib, min_time)
     return {"threads": 1, "dtype": "fp32", "matmul": r["matmul"],
-            "matmul_flops": max(r["matmul"].values()), "mem_bw": r["mem_bw"], "quick": quick,
+            "matmul_flops": max(r["matmul"].values()), "mem_bw": r["mem_bw"],
+            "opt_bw": measure_adamw(backend, mem_mib // 4, min_time), "quick": quick,
             "measured_at": time.strftime(TIME_FORMAT), "host": host_info(),
             "software": software_versions()}
+
+
+OPT_STATE_BYTES = 28       # fp32 AdamW per parameter: reads weight, grad, 2 states (16 B) and
+                           # writes weight and 2 states (12 B): what resource.opt_step_coef counts
+
+
+def measure_adamw(backend: str, mib: int, min_time: float) -> float:
+    """The backend's own `adamw_step`, single thread, over 32 fp32 tensors of `mib` MiB of
+    parameters in all: state bytes (OPT_STATE_BYTES per parameter) per second. A copy's
+    bandwidth overstates it: the step runs a dozen elementwise passes, not one."""
+    import numpy as np
+
+    import torch
+
+    from backends.registry import get_backend
+    from backends.timing import best_time
+    be = get_backend(backend)
+    n = max(1024, mib * 2**20 // 4 // 32)
+    rng = np.random.default_rng(0)
+
+    def tensors(scale):
+        return [be.from_numpy((rng.standard_normal(n) * scale).astype(np.float32), "f32")
+                for _ in range(32)]
+    params, grads, m = tensors(0.02), tensors(1e-3), tensors(1e-4)
+    v = [be.from_numpy(np.full(n, 1e-8, np.float32), "f32") for _ in range(32)]
+    step = [0]
+
+    def run():
+        step[0] += 1
+        be.adamw_step(params, grads, m, v, step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)        # every worker runs one thread (backends/threads.py)
+    try:
+        dt = best_time(run, min_time, 20)
+    finally:
+        torch.set_num_threads(prev)
+    return OPT_STATE_BYTES * 32 * n / dt
 
 
 def profile(backends=BACKENDS, quick: bool = False, path: str | Path | None = None) -> Calibration:

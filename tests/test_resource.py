@@ -214,6 +214,20 @@ def test_measured_chips_use_calibration_not_catalog_peaks():
     assert rm.layer_times("cpu", 1).fwd_layer[i] == pytest.approx(c.layers[i].fwd_flops / 50e9)
 
 
+def test_optimizer_step_is_timed_at_the_backends_measured_adamw_rate():
+    """The step runs a dozen elementwise passes, so a copy's bandwidth makes it look 2-4x
+    faster than it is (measured 47 ms against 12 predicted for llama_tiny); a calibration that
+    measured the backend's own adamw_step is used, an older one falls back to mem_bw."""
+    c, cl = costs(), local_cluster()
+    old = ResourceModel(c, cl, calibration=fake_calibration(bw=10e9))
+    cal = fake_calibration(bw=10e9)
+    cal.backends["torch"]["opt_bw"] = 2.5e9
+    new = ResourceModel(c, cl, calibration=cal)
+    n = len(c.layers)
+    assert new.opt_step_time("cpu", 1, 0, n) == pytest.approx(4 * old.opt_step_time("cpu", 1, 0, n))
+    assert cal.opt_bw("torch") == 2.5e9 and cal.opt_bw("numpy") is None
+
+
 def test_recorded_layer_times_are_preferred_and_scaled_by_tokens():
     c, cl = costs(seq=512), local_cluster()
     rec = {"torch": {"transformer_block": {"fwd_s": 0.01, "bwd_s": 0.03, "micro_batch": 1, "seq_len": 256}}}
@@ -254,6 +268,7 @@ def test_missing_backend_is_measured_quickly_and_cached(tmp_path, monkeypatch):
     rec = cal.backends["numpy"]
     assert rec["threads"] == 1 and rec["quick"] is True
     assert 1e8 < rec["matmul_flops"] < 1e13 and 1e8 < rec["mem_bw"] < 1e13
+    assert 1e7 < rec["opt_bw"] < rec["mem_bw"] * 2     # state bytes/s of the backend's AdamW
     assert json.loads(path.read_text())["backends"]["numpy"]["matmul_flops"] == rec["matmul_flops"]
     # cached: a second call does not re-measure
     again = ensure_calibration(["numpy"])

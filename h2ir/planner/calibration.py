@@ -28,7 +28,7 @@ File: $H2_CALIBRATION, else ~/.cache/h2/calibration.json. Format (JSON, version 
 
     {"version": 2, "created": "...", "host": {...},
      "backends": {"torch": {"threads": 1, "dtype": "fp32", "matmul": {"512": FLOP/s, ...},
-                            "matmul_flops": FLOP/s, "mem_bw": B/s, "quick": false,
+                            "matmul_flops": FLOP/s, "mem_bw": B/s, "opt_bw": B/s, "quick": false,
                             "measured_at": "...", "host": {...}, "software": {...}}, ...},
      "layer_records": {"<id>": {"key": {"model", "model_sha256", "args", "micro_batch",
                                         "seq_len", "dtype", "backend", "threads"},
@@ -182,6 +182,12 @@ class Calibration:
 
     def mem_bw(self, backend: str) -> float:
         return float(self._backend(backend)["mem_bw"])
+
+    def opt_bw(self, backend: str) -> float | None:
+        """The backend's AdamW step in state bytes per second (None: a record from before it
+        was measured; the copy bandwidth stands in)."""
+        v = self._backend(backend).get("opt_bw")
+        return float(v) if v else None
 
     # -- trust ---------------------------------------------------------------------------------
     def check(self, *, host: dict | None = None, software: dict | None = None,

@@ -643,6 +643,7 @@ class ChipRates:
     backend: str = ""
     attn_flops: float = 0.0      # achievable FLOP/s on the attention core (0: same as flops)
     act_bw: float = 0.0          # achievable B/s on memory-bound layer work (0: mem_bw)
+    opt_bw: float = 0.0          # the optimizer step's state bytes per second (0: mem_bw)
 
 
 def measured_calibration(backend: str, calibration=None):
@@ -665,7 +666,8 @@ def chip_rates(chip: ChipType, cluster: Cluster, calibration=None) -> ChipRates:
         cal = measured_calibration(chip.backend, calibration)
         f = cal.matmul_flops(chip.backend)
         return ChipRates(flops=f, mem_bw=cal.mem_bw(chip.backend), peak_flops=f,
-                         source="measured", backend=chip.backend)
+                         source="measured", backend=chip.backend,
+                         opt_bw=getattr(cal, "opt_bw", lambda b: None)(chip.backend) or 0.0)
     peak = chip.peak_flops.get(cluster.dtype) or chip.peak_flops.get("fp32")
     if not peak:
         raise H2Error(f"chip {chip.name!r} has no peak FLOP/s for {cluster.dtype} or fp32")
@@ -856,9 +858,11 @@ class ResourceModel:
     def opt_step_coef(self, chip: str) -> float:
         """Seconds per parameter (per device) of the optimizer step. AdamW is elementwise and
         memory-bound (roofline, Williams et al. 2009): it reads every state byte (weights,
-        grads, optimizer) and writes back weights and optimizer state."""
+        grads, optimizer) and writes back weights and optimizer state; at the rate the
+        backend's own step was measured at (`opt_bw`), else the copy bandwidth."""
         st = self.la.state
-        return (st.total + st.weights + st.optimizer) / self.rates(chip).mem_bw
+        r = self.rates(chip)
+        return (st.total + st.weights + st.optimizer) / (r.opt_bw or r.mem_bw)
 
     def opt_step_time(self, chip: str, tp: int, a: int, b: int, ep: int = 1) -> float:
         dev = self.la.device(tp, ep)
