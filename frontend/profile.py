@@ -408,11 +408,12 @@ def profile_main(argv: list[str]) -> int:
     print(f"calibration written to {cal.path}")
     print(f"{'backend':<8} {'threads':>7}  " + "  ".join(f"{'matmul ' + n:>12}" for n in
                                                         next(iter(cal.backends.values()))["matmul"])
-          + f"  {'copy bw':>10}")
+          + f"  {'copy bw':>10}  {'adamw':>10}")
     for b in backends:
         r = cal.backends[b]
+        opt = f"{r['opt_bw'] / 1e9:>6.1f} GB/s" if r.get("opt_bw") else f"{'-':>11}"
         print(f"{b:<8} {r['threads']:>7}  " + "  ".join(f"{v / 1e9:>8.1f} GF/s" for v in r["matmul"].values())
-              + f"  {r['mem_bw'] / 1e9:>6.1f} GB/s")
+              + f"  {r['mem_bw'] / 1e9:>6.1f} GB/s  {opt}")
     for rid, rec in cal.records.items():
         k = rec["key"]
         why = cal.distrusted.get(rid)

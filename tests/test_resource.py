@@ -283,7 +283,7 @@ def test_unknown_backend_cannot_be_measured_here(tmp_path, monkeypatch):
 
 # -- links by where the build puts each worker (LinePlacement) -------------------------------------
 
-def testbed_cluster(nic_bw=12.5e6, intra_bw=2e9):
+def _testbed_cluster(nic_bw=12.5e6, intra_bw=2e9):
     return Cluster("tb", {"X": chip("X")}, (NodeGroup("X", 2, 2, intra_bw=intra_bw, nics_per_node=1,
                                                      nic_bw=nic_bw),), dtype="fp32")
 
@@ -291,7 +291,7 @@ def testbed_cluster(nic_bw=12.5e6, intra_bw=2e9):
 def test_placement_follows_worker_hosts_and_shares_each_nic():
     from h2ir.planner.resource import LinePlacement
     from h2ir.schedule.streams import WorkerLayout, worker_hosts
-    cl = testbed_cluster()
+    cl = _testbed_cluster()
     # 2 stages x dp 2 on 2 hosts of 2 chips: a replica per host (replica-major ids), so each
     # stage's all-reduce crosses and the stage boundary does not
     dp2 = LinePlacement(cl, (("X", 1), ("X", 1)), 2)
@@ -318,7 +318,7 @@ def test_stage_times_cost_the_links_the_build_opens():
     """The simulator's all-reduce and p2p times come from the placement, so a plan whose
     all-reduce crosses a slow NIC is costed by it and one that keeps it inside is not."""
     from h2ir.planner.simulate import simulate
-    c, cl = costs(layers=4, d=256, seq=128), testbed_cluster()
+    c, cl = costs(layers=4, d=256, seq=128), _testbed_cluster()
     names = c.layer_names()
     dp2 = plan_of(c, [StagePlan("X", 2, names[:3]), StagePlan("X", 2, names[3:])], dp=2, gb=8)
     pp4 = plan_of(c, [StagePlan("X", 1, names[a:b]) for a, b in ((0, 2), (2, 3), (3, 4), (4, 6))],
