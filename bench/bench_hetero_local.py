@@ -64,16 +64,15 @@ def balance_bound(b: dict, uniform_step_s: float, uniform_pred_s: float) -> str 
     The ratio is printed twice: the model's (predicted uniform step / that floor: both from the
     same layer times) and against the measured uniform step (which overstates the bound when
     the layer times are optimistic). Returns the lines to print, or None without the records."""
-    import json
-
+    from executor.build import BuildDir
     from h2ir.clusters.clusterfile import load_cluster
-    from h2ir.planner.calibration import calibration_path
+    from h2ir.planner.calibration import load_calibration
     out = Path(b["out"])
-    man = json.loads((out / "manifest.json").read_text())
-    ids = man.get("calibration_records")
-    if not ids or not calibration_path().is_file():
+    ids = BuildDir(out).manifest.get("calibration_records")
+    cal = load_calibration()
+    if not ids or cal is None:
         return None
-    recs = json.loads(calibration_path().read_text()).get("layer_records", {})
+    recs = cal.records
     plan = b["plan"]
     n_layers = sum(len(st.layers) for st in plan.stages)
     per_backend = {}

@@ -232,12 +232,7 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
         if peer is None:
             continue
         if rank == 0:
-            times = []
-            for i in range(23):
-                t0 = time.perf_counter()
-                comm.send(peer, small, kind=f"cal-{name}-ping", mb=i)
-                comm.recv(peer, kind=f"cal-{name}-pong", mb=i)
-                times.append(time.perf_counter() - t0)
+            times = _round_trips(comm, peer, small, f"cal-{name}-ping", 23)
             best = 0.0
             for rep in range(3):
                 t0 = time.perf_counter()
@@ -248,12 +243,7 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
             # one big message at a time, echoed back: what a transfer that nothing else overlaps
             # costs (the sender's copy in, the wake-up, the receiver's copy out), as HALO's
             # gather and scatter are
-            rtt = []
-            for i in range(7):
-                t0 = time.perf_counter()
-                comm.send(peer, big, kind=f"cal-{name}-pp", mb=i)
-                comm.recv(peer, kind=f"cal-{name}-ppback", mb=i)
-                rtt.append(time.perf_counter() - t0)
+            rtt = _round_trips(comm, peer, big, f"cal-{name}-pp", 7)
             single = big.nbytes / max(1e-9, float(np.median(rtt[2:])) / 2)
             gap = float("inf")
             for rep in range(3):       # back-to-back small sends: the per-message gap
@@ -267,17 +257,13 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
             if name == "inter" and sizes.get("duplex_bytes"):
                 got[name]["duplex"] = _duplex(comm, peer, sizes["duplex_bytes"], True)
         elif rank == peer:
-            for i in range(23):
-                comm.send(0, comm.recv(0, kind=f"cal-{name}-ping", mb=i),
-                          kind=f"cal-{name}-pong", mb=i)
+            _echo(comm, 0, f"cal-{name}-ping", 23)
             for rep in range(3):
                 for i in range(count):
                     comm.recv(0, kind=f"cal-{name}-bw{rep}", mb=i, view=True)
                 comm.release()
                 comm.send(0, np.zeros(1, np.int32), kind=f"cal-{name}-done", mb=rep)
-            for i in range(7):
-                comm.send(0, comm.recv(0, kind=f"cal-{name}-pp", mb=i), kind=f"cal-{name}-ppback",
-                          mb=i)
+            _echo(comm, 0, f"cal-{name}-pp", 7)
             for rep in range(3):
                 for i in range(200):
                     comm.recv(0, kind=f"cal-{name}-gap{rep}", mb=i)
@@ -286,6 +272,23 @@ def _calibrate(comm, rank: int, hosts: list[int], sizes: dict) -> dict:
                 _duplex(comm, 0, sizes["duplex_bytes"], False)
         comm.barrier()
     return got
+
+
+def _round_trips(comm, peer: int, arr: np.ndarray, tag: str, n: int) -> list[float]:
+    """Seconds of n round trips of `arr` to `peer` and back (the peer runs `_echo`)."""
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        comm.send(peer, arr, kind=tag, mb=i)
+        comm.recv(peer, kind=f"{tag}-back", mb=i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _echo(comm, peer: int, tag: str, n: int) -> None:
+    """The other side of `_round_trips`: send each of n messages straight back."""
+    for i in range(n):
+        comm.send(peer, comm.recv(peer, kind=tag, mb=i), kind=f"{tag}-back", mb=i)
 
 
 def _duplex(comm, peer: int, sizes: list[int], lead: bool) -> list[list[float]]:

@@ -667,7 +667,7 @@ def chip_rates(chip: ChipType, cluster: Cluster, calibration=None) -> ChipRates:
         f = cal.matmul_flops(chip.backend)
         return ChipRates(flops=f, mem_bw=cal.mem_bw(chip.backend), peak_flops=f,
                          source="measured", backend=chip.backend,
-                         opt_bw=getattr(cal, "opt_bw", lambda b: None)(chip.backend) or 0.0)
+                         opt_bw=cal.opt_bw(chip.backend) or 0.0)
     peak = chip.peak_flops.get(cluster.dtype) or chip.peak_flops.get("fp32")
     if not peak:
         raise H2Error(f"chip {chip.name!r} has no peak FLOP/s for {cluster.dtype} or fp32")

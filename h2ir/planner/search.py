@@ -115,7 +115,6 @@ class Candidate:
     config: Config | None = None
     bounds: tuple = ()
     sim: SimResult | None = None
-    sim_s: float = 0.0             # how long its simulation took
     sim_work: int = 0              # its simulation's work (worker x micro-batch units)
 
     @property
@@ -1298,7 +1297,6 @@ class _Search:
         self.emitted: set = set()
         self.best_line = math.inf           # best split bound of the lines found by local search
         self.warm: dict = {}                # (schedule, dp) -> the local search's last state
-        self.sim_s = 0.0
         self.sim_work = 0
 
     def rm(self, mb):
@@ -1519,11 +1517,8 @@ class _Search:
             self.push(max(lb, res[-1][0]), "line", (line, moe, k))
 
     def simulate(self, cand: Candidate):
-        t0 = time.perf_counter()
         cand.sim = simulate(self.costs, cand.plan, self.cluster, self.calibration,
                             resource=self.rm(cand.plan.micro_batch), one_rank=True)
-        cand.sim_s = time.perf_counter() - t0
-        self.sim_s += cand.sim_s
         # the simulation's work in (simulated worker x micro-batch) units: the budget below is
         # counted in them, not in seconds, so a plan does not depend on the machine's load
         cand.sim_work = len(cand.sim.busy_s) * max(1, cand.plan.num_microbatches)
