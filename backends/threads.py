@@ -34,12 +34,17 @@ def limit_torch_threads() -> None:
     torch.set_num_threads(1)
 
 
-def pin_to_core(index: int) -> None:
+def pin_to_core(index: int, sharing: int | None = None) -> None:
     """Pin this process to core `index` (mod the cores it may use), when there is more than one:
-    no migrations, warm private caches."""
+    no migrations, warm private caches. `sharing`: how many processes of this job run on this
+    host; with more of them than cores, none is pinned: fixed pairs of processes on one core
+    would split the work by index rather than by load (a pipeline's stages differ, and the
+    last holds the LM head), where the kernel's scheduler balances it."""
     try:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
+        return
+    if sharing is not None and sharing > len(cores):
         return
     if len(cores) > 1:
         try:

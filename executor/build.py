@@ -225,15 +225,24 @@ class _ManifestCheck:
         # a stage has `tp` workers per replica (h2ir.schedule.streams.WorkerLayout)
         tps = [self.integer(st, "tp", 1, MAX_WORKERS, f"stages[{i}].tp") if "tp" in st else 1
                for i, st in enumerate(stages)]
-        if len(workers) != m["dp"] * sum(tps):
+        virtual = self.integer(m, "virtual", 1, MAX_WORKERS, "virtual") if "virtual" in m else 1
+        want = m["dp"] * sum(tps) // virtual     # virtual stages: a worker runs `virtual` stages
+        if len(workers) != want:
             self.fail("workers", f"{len(workers)} workers; dp {m['dp']} x {len(stages)} stages "
-                      f"(tp {tps}) needs {m['dp'] * sum(tps)}")
+                      f"(tp {tps})" + (f" over {virtual} chunks per worker" if virtual > 1 else "")
+                      + f" needs {want}")
         for i, w in enumerate(workers):
             f = f"workers[{i}]"
             if self.integer(w, "id", 0, MAX_WORKERS, f + ".id") != i:
                 self.fail(f + ".id", f"expected {i} (workers are listed in id order), got {w['id']}")
             self.integer(w, "replica", 0, m["dp"] - 1, f + ".replica")
             self.integer(w, "stage", 0, len(stages) - 1, f + ".stage")
+            if virtual > 1:
+                chunks = w.get("chunks")
+                if not (isinstance(chunks, list) and len(chunks) == virtual and all(
+                        isinstance(c, int) and 0 <= c < len(stages) for c in chunks)):
+                    self.fail(f + ".chunks", f"expected a list of {virtual} stage indices "
+                              f"(the worker's chunks), got {chunks!r}")
             self.string(w, "backend", f + ".backend")
             self.file_in_build(w, "stream", f + ".stream")
             if "host" in w:             # absent in builds of older h2c: every worker on host 0

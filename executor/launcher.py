@@ -185,7 +185,9 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
     # CPU step (glibc's dynamic mmap threshold would otherwise map large tensors anew each time).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 31))
-    kinds = ", ".join(f"w{w['id']}: stage {w['stage']} {w['backend']}" for w in build.workers)
+    kinds = ", ".join(f"w{w['id']}: stage{'s' if w.get('chunks') else ''} "
+                      f"{'+'.join(map(str, w.get('chunks') or [w['stage']]))} {w['backend']}"
+                      for w in build.workers)
     out(f"starting {W} worker(s) [{kinds}] over {transport}; {m['num_microbatches']} micro-batches "
         f"of {m['micro_batch']} x {m['seq_len']} per step ({m['schedule']})")
     run = _Run(build, [], [], store, run_dir, status, ckpt_dir, t0, fingerprint)

@@ -326,7 +326,7 @@ def serve(a, console) -> int:
     from executor.build import BuildDir
     from executor.checkpoint import load_worker_checkpoint
     from executor.data import DataSpec
-    from executor.worker import Worker, _report_failure, _token_batches
+    from executor.worker import ChunkedWorker, Worker, _report_failure, _token_batches
 
     env = ElasticEnv.from_environ()
     build = BuildDir(a.build)
@@ -339,7 +339,7 @@ def serve(a, console) -> int:
     stop = Stop(console, hosts_store=not env.agent_store and env.rank == 0)
     W = len(build.workers)
     status = np.zeros(4)
-    pin_to_core(wid)
+    pin_to_core(wid, sharing=len(build.hosts[build.workers[wid].get("host", 0)]))
     threading.Thread(target=_heartbeat, args=(records, wid, env.host, addr, status, stop,
                                               os.getppid(), where), daemon=True).start()
     emit = EventSender(records, wid)
@@ -357,8 +357,9 @@ def serve(a, console) -> int:
         plan = records.get("plan", "the coordinator's start record", timeout=STARTUP_S)
         limit_torch_threads()
         spec = DataSpec(plan["data"], plan["data_format"], plan["data_max_bytes"])
-        worker = Worker(build, wid, None, _token_batches(build, wid, spec),
-                        build.manifest["optimizer"], emit, status, a.device)
+        kind = ChunkedWorker if build.workers[wid].get("chunks") else Worker
+        worker = kind(build, wid, None, _token_batches(build, wid, spec),
+                      build.manifest["optimizer"], emit, status, a.device)
         comm = dicomm.connect(wid, W, secret=secret, transport=plan["transport"], fallback=True,
                               timeout=a.timeout, host=addr, namespace=env.namespace + "/dicomm",
                               store=store)

@@ -23,6 +23,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
 from h2ir.errors import H2Error
 from h2ir.opset import DROPOUT_SEED_INPUT, dropout_seed
 from h2ir.schedule.interpret import StreamInterpreter
+from h2ir.schedule.streams import OPS
 from h2ir.types import FLOAT_DTYPES, TensorType, dtype_of_host, host_dtype
 
 STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done, 2 failed)
@@ -45,11 +47,15 @@ STATUS_FIELDS = 4          # heartbeat time, step, pc, state (0 running, 1 done,
 
 class Worker(StreamInterpreter):
     def __init__(self, build: BuildDir, wid: int, comm, data: TokenBatches | None, opt: dict,
-                 emit, status, device: str = "cpu"):
-        super().__init__(wid, build.stream(wid))
+                 emit, status, device: str = "cpu", stage: int | None = None):
+        super().__init__(wid, build.stream(wid) if stage is None else [])
         self.build, self.comm, self.data, self.emit, self.status = build, comm, data, emit, status
         w = build.workers[wid]
-        self.replica, self.stage_idx = w["replica"], w["stage"]
+        # `stage`: one chunk of a virtual-stage worker (`ChunkedWorker` interprets the stream)
+        self.replica, self.stage_idx = w["replica"], w["stage"] if stage is None else stage
+        # a virtual-stage build tags boundary transfers with the sending stage: one pair of
+        # workers carries several chunks' tensors of one micro-batch
+        self.virtual = int(build.manifest.get("virtual", 1)) > 1
         self.S = build.num_stages
         self.m = build.manifest["num_microbatches"]
         st = build.stage(self.stage_idx)
@@ -215,16 +221,21 @@ class Worker(StreamInterpreter):
             self.grads_in[mb] = gin
 
     # ---- communication -------------------------------------------------------------------------
+    def _tag(self, stage: int) -> str:
+        return f"@{stage}" if self.virtual else ""
+
     # one peer, or a TP group: each sender transmits its share (executor/redistribute.py)
     def send_act(self, ins):
         for k, t in self.acts_out.pop(ins.mb).items():
             self.sent_bytes["act"] += send_shares(self.comm, self.be.to_numpy(t), ins,
-                                                  f"act:{k}", self.stage_idx)
+                                                  f"act:{k}{self._tag(self.stage_idx)}",
+                                                  self.stage_idx)
 
     def recv_act(self, ins):
         got = {}
         for k in self.sig["inputs"]:
-            a = recv_shares(self.comm, ins, f"act:{k}", self.in_types[k].shape)
+            a = recv_shares(self.comm, ins, f"act:{k}{self._tag(self.stage_idx - 1)}",
+                            self.in_types[k].shape)
             got[k] = self.be.from_numpy(a, self.in_types[k].dtype)
         self.acts_in[ins.mb] = got
 
@@ -232,37 +243,51 @@ class Worker(StreamInterpreter):
         for k, g in self.grads_in.pop(ins.mb).items():
             t = self.in_types[k]
             arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, host_dtype(t.dtype))
-            self.sent_bytes["grad"] += send_shares(self.comm, arr, ins, f"grad:{k}",
+            self.sent_bytes["grad"] += send_shares(self.comm, arr, ins,
+                                                   f"grad:{k}{self._tag(self.stage_idx)}",
                                                    self.stage_idx)
 
     def recv_grad(self, ins):
         got = {}
         for k in self.grad_outputs:
-            a = recv_shares(self.comm, ins, f"grad:{k}", self._type_of(k).shape)
+            a = recv_shares(self.comm, ins, f"grad:{k}{self._tag(self.stage_idx + 1)}",
+                            self._type_of(k).shape)
             got[k] = self.be.from_numpy(a, self._type_of(k).dtype)
         self.grads_out[ins.mb] = got
 
     # ---- tied parameters -----------------------------------------------------------------------
+    # transfers are tagged with the holder's stage (a virtual-stage worker may hold the owner
+    # and the holder chunk both, or chunks of two owners)
+    def _holder_on(self, peer: int) -> int:
+        """The stage holding copies of this owner's tied parameters on worker `peer`."""
+        w = self.build.workers[peer]
+        if not self.virtual:
+            return w["stage"]
+        return next(h for h in self.tied_shared if h in w["chunks"])
+
     def send_tied_grads(self, ins):
         for k in self.tied_copies:
             self.comm.send(ins.peer, np.ascontiguousarray(self.be.to_numpy(self._grad(k))),
-                           kind=f"tied_grad:{k}", mb=0, stage=self.stage_idx)
+                           kind=f"tied_grad:{k}{self._tag(self.stage_idx)}", mb=0,
+                           stage=self.stage_idx)
 
     def recv_tied_grads(self, ins):
         add = self.be.ops["add"]
-        for k in self.tied_shared[self.build.workers[ins.peer]["stage"]]:
-            a = self.comm.recv(ins.peer, kind=f"tied_grad:{k}", mb=0)
+        h = self._holder_on(ins.peer)
+        for k in self.tied_shared[h]:
+            a = self.comm.recv(ins.peer, kind=f"tied_grad:{k}{self._tag(h)}", mb=0)
             self.param_grads[k] = add(self._grad(k), self.be.from_numpy(a, "f32"))
             self.owned_grads.add(k)
 
     def send_tied_params(self, ins):
-        for k in self.tied_shared[self.build.workers[ins.peer]["stage"]]:
+        h = self._holder_on(ins.peer)
+        for k in self.tied_shared[h]:
             self.comm.send(ins.peer, np.ascontiguousarray(self.be.to_numpy(self.params[k])),
-                           kind=f"tied_param:{k}", mb=0, stage=self.stage_idx)
+                           kind=f"tied_param:{k}{self._tag(h)}", mb=0, stage=self.stage_idx)
 
     def recv_tied_params(self, ins):
         for k in self.tied_copies:
-            a = self.comm.recv(ins.peer, kind=f"tied_param:{k}", mb=0)
+            a = self.comm.recv(ins.peer, kind=f"tied_param:{k}{self._tag(self.stage_idx)}", mb=0)
             self.params[k] = self.be.from_numpy(np.array(a), "f32")
 
     def all_reduce(self, ins):
@@ -338,6 +363,8 @@ class Worker(StreamInterpreter):
         t1 = time.perf_counter()
         name = {"fwd": f"F{ins.mb}", "bwd": f"B{ins.mb}", "bwd_input": f"I{ins.mb}",
                 "bwd_weight": f"W{ins.mb}"}.get(ins.op, str(ins))
+        if ins.chunk is not None and ins.op in self._LANES and ins.op != "opt_step":
+            name += f"c{ins.chunk}"
         self.trace.append((self._LANES.get(ins.op, "comm"), name, self._t0 - self.t_origin,
                            t1 - self._t0, self.step))
 
@@ -352,10 +379,10 @@ class Worker(StreamInterpreter):
             t_step = time.perf_counter()
             self.run_stream()
             ev = {"event": "step", "worker": self.wid, "step": step,
-                  "compute_s": time.perf_counter() - t_step, "sent_bytes": dict(self.sent_bytes)}
-            self.sent_bytes = {"act": 0, "grad": 0}
-            if self.last and self.tp_rank == 0:      # a TP group's ranks hold one loss
-                ev["loss"] = float(np.mean(self.losses))
+                  "compute_s": time.perf_counter() - t_step, "sent_bytes": self.take_sent_bytes()}
+            loss = self.step_loss()
+            if loss is not None:
+                ev["loss"] = loss
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
                 if self.prog_comm is not None and self.prog_comm.a2a_calls:
@@ -373,6 +400,112 @@ class Worker(StreamInterpreter):
                 self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
                            "files": files})
         self.status[3] = 1
+
+    def take_sent_bytes(self) -> dict:
+        out, self.sent_bytes = dict(self.sent_bytes), {"act": 0, "grad": 0}
+        return out
+
+    def step_loss(self) -> float | None:
+        if self.last and self.tp_rank == 0:      # a TP group's ranks hold one loss
+            return float(np.mean(self.losses))
+        return None
+
+
+class _Merged(MutableMapping):
+    """One table of a virtual-stage worker's chunks ('params', 'exp_avg', ...), keyed
+    'c<chunk>.<name>': what checkpoints read and write."""
+
+    def __init__(self, chunks: list, attr: str):
+        self.chunks, self.attr = chunks, attr
+
+    def _split(self, key: str):
+        c, _, k = key.partition(".")
+        return getattr(self.chunks[int(c[1:])], self.attr), k
+
+    def __getitem__(self, key):
+        table, k = self._split(key)
+        return table[k]
+
+    def __setitem__(self, key, value):
+        table, k = self._split(key)
+        table[k] = value
+
+    def __delitem__(self, key):
+        table, k = self._split(key)
+        del table[k]
+
+    def __iter__(self):
+        for c, ch in enumerate(self.chunks):
+            for k in getattr(ch, self.attr):
+                yield f"c{c}.{k}"
+
+    def __len__(self):
+        return sum(len(getattr(ch, self.attr)) for ch in self.chunks)
+
+
+class ChunkedWorker(Worker):
+    """A worker of a virtual-stage schedule (interleaved 1F1B, zero bubble: h2ir/schedule/
+    streams.py): it holds several stages as chunks, one `Worker` each, and interprets the one
+    stream whose instructions name their chunk. Step loop, trace and status are `Worker`'s;
+    checkpoints see the chunks' tables as one (`_Merged`)."""
+
+    def __init__(self, build: BuildDir, wid: int, comm, data, opt: dict, emit, status,
+                 device: str = "cpu"):
+        StreamInterpreter.__init__(self, wid, build.stream(wid))
+        w = build.workers[wid]
+        self.build, self.emit, self.status = build, emit, status
+        self.replica, self.stage_idx = w["replica"], w["stage"]
+        self.chunks = [Worker(build, wid, comm, data, opt, emit, status, device, stage=v)
+                       for v in w["chunks"]]
+        self.be = self.chunks[0].be
+        self.tp_rank, self.moe, self.prog_comm = 0, None, None
+        self.param_names = [f"c{c}.{k}" for c, ch in enumerate(self.chunks)
+                            for k in ch.param_names]
+        self.opt_names = [f"c{c}.{k}" for c, ch in enumerate(self.chunks) for k in ch.opt_names]
+        self.params = _Merged(self.chunks, "params")
+        self.exp_avg = _Merged(self.chunks, "exp_avg")
+        self.exp_avg_sq = _Merged(self.chunks, "exp_avg_sq")
+        self.trace: list = []
+
+    @property
+    def comm(self):
+        return self.chunks[0].comm
+
+    @comm.setter
+    def comm(self, comm):
+        for ch in self.chunks:
+            ch.comm = comm
+
+    @property
+    def opt_steps(self) -> int:
+        return self.chunks[0].opt_steps
+
+    @opt_steps.setter
+    def opt_steps(self, n: int):
+        for ch in self.chunks:
+            ch.opt_steps = n
+
+    def reset_step(self, step: int):
+        self.step = step
+        for ch in self.chunks:
+            ch.reset_step(step)
+
+    def take_sent_bytes(self) -> dict:
+        out = {"act": 0, "grad": 0}
+        for ch in self.chunks:
+            for k, n in ch.take_sent_bytes().items():
+                out[k] += n
+        return out
+
+    def step_loss(self) -> float | None:
+        return next((ch.step_loss() for ch in self.chunks if ch.last), None)
+
+    def _on_chunk(self, ins):
+        return getattr(self.chunks[ins.chunk], ins.op)(ins)
+
+
+for _op in OPS:
+    setattr(ChunkedWorker, _op, ChunkedWorker._on_chunk)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -428,7 +561,8 @@ def _start_heartbeat(status: np.ndarray, parent: int) -> None:
 def _token_batches(build: BuildDir, wid: int, data: DataSpec) -> TokenBatches | None:
     """The micro-batches of tokens (first stage) and targets (last stage); None in between."""
     m = build.manifest
-    needs_data = build.workers[wid]["stage"] in (0, build.num_stages - 1)
+    w = build.workers[wid]
+    needs_data = bool({0, build.num_stages - 1} & set(w.get("chunks") or [w["stage"]]))
     return TokenBatches(open_tokens(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
                         m["dp"], m["seed"], name=data.path) if needs_data else None
 
@@ -480,14 +614,15 @@ def _report_failure(wid: int, emit, e: BaseException) -> int:
 def _serve(a, emit) -> int:
     build = BuildDir(a.build)
     W = len(build.workers)
-    pin_to_core(a.worker)
+    pin_to_core(a.worker, sharing=W)
     status = _status_slot(a.status, W, a.worker)
     _start_heartbeat(status, os.getppid())
     limit_torch_threads()
     data = _token_batches(build, a.worker, DataSpec(a.data, a.data_format, a.data_max_bytes))
     # the stage is loaded before connecting: a bad stage file is this worker's start-up error,
     # not its peers' broken handshake
-    worker = Worker(build, a.worker, None, data, build.manifest["optimizer"], emit, status, a.device)
+    kind = ChunkedWorker if build.workers[a.worker].get("chunks") else Worker
+    worker = kind(build, a.worker, None, data, build.manifest["optimizer"], emit, status, a.device)
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)

@@ -43,11 +43,13 @@ from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
                          int_flag)
 from h2ir.planner import search as heteroauto
-from h2ir.planner.simulate import SimResult, plan_layout, program_comm_volumes, simulate_build
+from h2ir.planner.simulate import (SimResult, plan_chunks, plan_layout, program_comm_volumes,
+                                   simulate_build)
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
 from h2ir.schedule.grid import format_grid
-from h2ir.schedule.streams import build_streams, format_stream, tied_stage_groups, worker_hosts
+from h2ir.schedule.streams import (SPLIT_SCHEDULES, build_streams, format_stream,
+                                   tied_stage_groups, worker_hosts)
 from h2ir.text import print_graph
 
 FORMAT = "h2-build/1"
@@ -72,6 +74,8 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
     section and the model's MoE layers run as written."""
     max_tp = 1 if executable else None
     max_ep = None if (sparse_moe or not executable) else 1
+    wanted, schedule = schedule, heteroauto.VIRTUAL_BASE.get(
+        schedule, "1f1b" if schedule == "auto" else schedule)
     if plan_arg == "auto":
         res = heteroauto.search(costs, cluster, global_batch, seq_len=seq_len, micro_batch=micro_batch,
                                 schedule=schedule, method=search, calibration=calibration,
@@ -92,6 +96,10 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
         plan.moe = None                 # a dense-form MoE: every expert inside its stage
         for st in plan.stages:
             st.ep = None
+    if wanted == "auto":                # HeteroAuto's pipeline under each schedule h2x runs
+        plan, _ = heteroauto.choose_schedule(plan, costs, cluster, calibration, log=log)
+    elif wanted in heteroauto.VIRTUAL_BASE:
+        plan = heteroauto.virtualize(plan, costs, wanted)
     return plan
 
 
@@ -321,7 +329,7 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
         low = lowering_record(p.fwd, p.bwd, chip.backend, s, policy, dry_run)
         (out / f"stages/stage{s}.kernels.json").write_text(json.dumps(low, indent=1))
         zb = None
-        if plan.schedule == "zb1":      # zero-bubble: the backward as B (input grads) and W
+        if plan.schedule in SPLIT_SCHEDULES:    # zero-bubble: the backward as B (input grads) and W
             sp = split_backward(p)
             for part in ("bwd_input", "bwd_weight"):
                 (out / f"stages/stage{s}.{part}.h2ir").write_text(print_graph(sp[part]))
@@ -358,7 +366,8 @@ def _tied_stage_meta(costs, plan, progs) -> list[dict | None]:
     return [m if m["copies"] or m["shared"] else None for m in meta]
 
 
-def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, list[dict]]:
+def _write_streams(out: Path, plan, costs, stages_meta, cluster,
+                   cal=None) -> tuple[dict, list[dict]]:
     """One instruction-stream file per worker; returns the streams and the manifest's workers
     (each with its replica, stage and TP rank: h2ir.schedule.streams.WorkerLayout, and the host
     its chip is on: h2ir.schedule.streams.worker_hosts, which `h2x run --nnodes` maps processes
@@ -367,8 +376,12 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, 
     lay = plan_layout(plan)
     eps = [plan.stage_ep(s) for s in range(len(plan.stages))]
     streams = build_streams(plan.schedule, len(plan.stages), plan.num_microbatches, plan.dp,
-                            ties=ties, tp=lay.tps, ep=eps,
-                            migrate=plan.moe is not None and plan.moe.migration != "none")
+                            ties=ties, tp=None if plan.is_virtual else lay.tps, ep=eps,
+                            migrate=plan.moe is not None and plan.moe.migration != "none",
+                            virtual=plan.virtual, durations=_durations(plan, costs, cluster, cal,
+                                                                       stages_meta))
+    if plan.is_virtual:
+        return streams, _chunked_workers(out, plan, streams, stages_meta, cluster)
     hosts = worker_hosts(lay, [st.chip for st in plan.stages], cluster)
     workers = []
     for w, instrs in streams.items():
@@ -392,6 +405,39 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster) -> tuple[dict, 
     return streams, workers
 
 
+def _durations(plan, costs, cluster, cal, stages_meta) -> dict | None:
+    """The stages' predicted (F, B, W) times, which the zero-bubble virtual-stage schedules
+    are ordered by (their split programs' FLOP shares give B and W)."""
+    if plan.schedule not in ("izb", "zbv"):
+        return None
+    from h2ir.planner.resource import ResourceModel
+    from h2ir.planner.simulate import chunk_durations
+    rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, cal)
+    fr = {i: m["zero_bubble"]["b_flops_fraction"] for i, m in enumerate(stages_meta)
+          if m.get("zero_bubble")}
+    return chunk_durations([rm.stage_times(plan, j) for j in range(plan.num_stages)], fr)
+
+
+def _chunked_workers(out: Path, plan, streams, stages_meta, cluster) -> list[dict]:
+    """The manifest's workers of a virtual-stage plan: each runs the stages (chunks) listed
+    in its `chunks`, in chunk order; `stage` is its first."""
+    lay = plan_layout(plan)
+    groups = plan_chunks(plan)
+    hosts = worker_hosts(lay, [plan.stages[g[0]].chip for g in groups], cluster)
+    workers = []
+    for w, instrs in streams.items():
+        r, s, _ = lay.where(w)
+        cs = groups[s]
+        (out / f"streams/w{w}.txt").write_text(
+            f"# worker {w}: replica {r}, stages {', '.join(map(str, cs))} as chunks "
+            f"{', '.join(f'c{c}' for c in range(len(cs)))} ({stages_meta[cs[0]]['backend']})\n"
+            + format_stream(instrs))
+        workers.append({"id": w, "replica": r, "stage": cs[0], "chunks": list(cs),
+                        "chip": plan.stages[cs[0]].chip, "backend": stages_meta[cs[0]]["backend"],
+                        "stream": f"streams/w{w}.txt", "host": hosts[w]})
+    return workers
+
+
 def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out: Path,
               stages_meta, workers, sim: SimResult) -> dict:
     import torch
@@ -408,6 +454,7 @@ def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, 
         "plan": "plan.h2plan",
         "global_batch": plan.global_batch, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
         "num_microbatches": plan.num_microbatches, "dp": plan.dp, "schedule": plan.schedule,
+        "virtual": plan.virtual,
         "seed": seed, "dry_run": dry_run,
         "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},
@@ -452,7 +499,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
             m["moe"] = p.moe
     if not dry_run:
         _write_weights(cap, progs, model_path, model_args, seed, out)
-    streams, workers = _write_streams(out, plan, costs, stages_meta, cluster)
+    streams, workers = _write_streams(out, plan, costs, stages_meta, cluster, cal)
     sim = simulate_build(costs, plan, cluster, cal, streams,
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
                          {i: m["zero_bubble"]["b_flops_fraction"] for i, m in enumerate(stages_meta)
@@ -580,8 +627,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cluster", default="local", help="cluster TOML or built-in name (default: local)")
     ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
     ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb1"],
-                    help="pipeline schedule; zb1: ZB-H1 zero-bubble (backward split in B and W)")
+    ap.add_argument("--schedule", default="1f1b",
+                    choices=["1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv", "auto"],
+                    help="pipeline schedule; zb1: ZB-H1 zero-bubble (backward split in B and W); "
+                    "interleaved: interleaved 1F1B (2 chunks per worker); izb: interleaved zero "
+                    "bubble; zbv: V-shape zero bubble; auto: the fastest of 1f1b, zb1, "
+                    "interleaved, izb and zbv by the simulator, among those that fit memory"),
     ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH), default=16)
     ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
                     default=None, metavar="N|auto", help="sequences per micro-batch "

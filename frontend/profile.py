@@ -228,7 +228,7 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
     A worker never runs alone: its neighbours share the memory bus and the last-level cache, which
     slows a CPU worker by 10-25 % here. So one measuring process per core (pinned, one thread
     each) runs at once, each backend at least once, and as many as the cluster runs workers
-    (`workers`; more workers than cores share them, pinned round-robin as h2x pins its workers);
+    (`workers`; more workers than cores share them unpinned, as h2x runs its workers then);
     they start timing together and keep their cores busy until the last is done; copies of a
     backend are averaged."""
     try:
@@ -244,8 +244,8 @@ def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, se
         cmd = [sys.executable, "-m", "frontend.profile", model_path, "--backend", b,
                "--micro-batch", str(micro_batch), "--seq-len", str(seq_len),
                "--args", json.dumps(model_args)]
-        if cores[0] is not None:
-            cmd += ["--core", str(cores[i % len(cores)])]
+        if cores[0] is not None and len(jobs) <= len(cores):   # h2x pins only so (threads.py)
+            cmd += ["--core", str(cores[i])]
         procs.append((b, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env)))
     results = _run_in_step(procs)

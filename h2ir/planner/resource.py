@@ -33,7 +33,8 @@ from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
 from h2ir.planner import alltoall
-from h2ir.schedule.streams import WorkerLayout, worker_hosts
+from h2ir.plans.plan import VIRTUAL_SCHEDULES
+from h2ir.schedule.streams import WorkerLayout, chunk_orders, chunk_stages, worker_hosts
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -188,13 +189,33 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def inflight_microbatches(schedule: str, stage: int, num_stages: int, m: int) -> int:
+def inflight_microbatches(schedule: str, stage: int, num_stages: int, m: int,
+                          virtual: int = 1) -> int:
     """Micro-batches whose activations stage `stage` holds at its peak: S - j under 1F1B
     (Narayanan et al. SC'21 Sec. 2.2: stage j does S-j warm-up forwards before its first
-    backward), all m under GPipe (Huang et al. 2019 Sec. 2.2)."""
+    backward), all m under GPipe (Huang et al. 2019 Sec. 2.2). With a virtual-stage schedule
+    `stage` is a chunk of `num_stages` (all chunks) and the count is read off the schedule's
+    order (`chunk_inflight`)."""
     if schedule == "gpipe":
         return m
+    if schedule in VIRTUAL_SCHEDULES:
+        return chunk_inflight(schedule, num_stages // virtual, virtual, m)[stage]
     return max(1, min(num_stages - stage, m))
+
+
+@lru_cache(maxsize=256)
+def chunk_inflight(schedule: str, S: int, V: int, m: int) -> tuple[int, ...]:
+    """Per virtual stage, the most micro-batches whose activations its chunk holds at once
+    under the schedule's order (a forward adds one, its backward or weight-gradient part ends
+    it)."""
+    vst = chunk_stages(schedule, S, V)
+    peak = [1] * (S * V)
+    for s, order in enumerate(chunk_orders(schedule, S, V, m)):
+        n = [0] * V
+        for kind, _, c in order:
+            n[c] += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+            peak[vst[s][c]] = max(peak[vst[s][c]], n[c])
+    return tuple(peak)
 
 
 class LayerArrays:
@@ -327,7 +348,7 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
     dev = la.device(st.tp, plan.stage_ep(stage_index), _capacity_of(plan))
     if inflight is None:
         inflight = inflight_microbatches(plan.schedule, stage_index, plan.num_stages,
-                                         plan.num_microbatches)
+                                         plan.num_microbatches, virtual=plan.virtual)
     chip = cluster.chip(st.chip)
     items = memory_items(la, dev, a, b, inflight, st.recompute)
     copies = tied_copy_bytes(costs, plan, stage_index)

@@ -36,7 +36,8 @@ from h2ir.plans.plan import Plan
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
 from h2ir.schedule.grid import ScheduleGrid, grid_from_events
 from h2ir.schedule.interpret import StreamInterpreter
-from h2ir.schedule.streams import Instr, WorkerLayout, build_streams, tied_stage_groups
+from h2ir.schedule.streams import (Instr, WorkerLayout, build_streams, chunk_stages,
+                                   tied_stage_groups)
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 
@@ -57,9 +58,14 @@ class SimResult:
     events: list[TraceEvent] = field(default_factory=list)
     worker_names: dict[int, str] = field(default_factory=dict)
     stage_of: dict[int, int] = field(default_factory=dict)    # simulated worker -> its stage
+    # virtual-stage schedules: the stages (chunks) of each worker, which share its device
+    chunk_groups: list[list[int]] | None = None
 
     @property
     def fits(self) -> bool:
+        if self.chunk_groups:
+            return all(sum(self.stage_memory[j].total for j in g)
+                       <= self.stage_memory[g[0]].capacity for g in self.chunk_groups)
         return all(m.fits for m in self.stage_memory)
 
     def grid(self, slot_s: float | None = None) -> ScheduleGrid:
@@ -99,20 +105,70 @@ class Timeline:
             self.events.append(TraceEvent(w, lane, name, start, dur))
 
 
+@dataclass
+class Chunks:
+    """A virtual-stage worker's chunks: their virtual stages, times and B shares, and where
+    the other stages run (to tag tied-parameter transfers by the holder's stage)."""
+    vstages: list[int]
+    times: list[StageTimes]
+    b_fractions: list[float]
+    host: dict                       # virtual stage -> worker id (this replica)
+    ties: dict                       # owner stage -> holder stages
+
+    def holder_on(self, owner: int, worker: int) -> int:
+        return next(h for h in self.ties.get(owner, ()) if self.host[h] == worker)
+
+
 class SimulatedWorker(StreamInterpreter):
     """One worker's stream timed with its stage's durations (`StageTimes`)."""
 
     def __init__(self, wid: int, stream: list[Instr], times: StageTimes, timeline: Timeline,
-                 simulated: set, b_fraction: float = 0.5):
+                 simulated: set, b_fraction: float = 0.5, chunks: "Chunks | None" = None):
         super().__init__(wid, stream)
         self.times, self.tl, self.simulated = times, timeline, simulated
         # zero-bubble: the share of the backward its input-gradient part (B) takes (FLOPs of
         # the build's split programs), the rest is W
         self.b_fraction = b_fraction
+        self.chunks = chunks            # virtual stages: this worker's chunks and their times
         timeline.clock[wid] = timeline.link_free[wid] = 0.0
         self.ar_count = 0
         self.inflight = self.inflight_peak = 0
+        self.chunk_inflight: dict[int, int] = {}
+        self.chunk_peak: dict[int, int] = {}
         self.busy = self.last_bwd_end = 0.0
+
+    def _t(self, ins) -> StageTimes:
+        return self.times if ins.chunk is None else self.chunks.times[ins.chunk]
+
+    def _frac(self, ins) -> float:
+        return self.b_fraction if ins.chunk is None else self.chunks.b_fractions[ins.chunk]
+
+    def _count(self, ins, d: int):
+        self.inflight += d
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
+        if ins.chunk is not None:
+            n = self.chunk_inflight.get(ins.chunk, 0) + d
+            self.chunk_inflight[ins.chunk] = n
+            self.chunk_peak[ins.chunk] = max(self.chunk_peak.get(ins.chunk, 0), n)
+
+    def _name(self, kind: str, ins) -> str:
+        return f"{kind}{ins.mb}" + ("" if ins.chunk is None else f"c{ins.chunk}")
+
+    def _tag(self, ins, kind: str, sending: bool):
+        """What tells apart two transfers between one pair of workers: the virtual stage
+        that sends an activation or gradient; for tied parameters the holder's stage."""
+        if ins.chunk is None:
+            return None
+        ch = self.chunks
+        v = ch.vstages[ins.chunk]
+        if kind == "act":
+            return v if sending else v - 1
+        if kind == "grad":
+            return v if sending else v + 1
+        holder_sends = kind == "tied_grads"
+        if sending == holder_sends:     # the holder: its own stage
+            return v
+        return ch.holder_on(v, ins.peer)
 
     def _compute(self, name: str, dur: float):
         w, tl = self.wid, self.tl
@@ -120,41 +176,48 @@ class SimulatedWorker(StreamInterpreter):
         tl.clock[w] += dur
 
     def fwd(self, ins):
-        self._compute(f"F{ins.mb}", self.times.fwd_s)
-        self.busy += self.times.fwd_s
-        self.inflight += 1
-        self.inflight_peak = max(self.inflight_peak, self.inflight)
+        t = self._t(ins)
+        self._compute(self._name("F", ins), t.fwd_s)
+        self.busy += t.fwd_s
+        self._count(ins, 1)
 
     def bwd(self, ins):
-        self._compute(f"B{ins.mb}", self.times.bwd_s)
-        self.busy += self.times.bwd_s
-        self.inflight -= 1
+        t = self._t(ins)
+        self._compute(self._name("B", ins), t.bwd_s)
+        self.busy += t.bwd_s
+        self._count(ins, -1)
         self.last_bwd_end = self.tl.clock[self.wid]
 
     def bwd_input(self, ins):
-        dur = self.times.bwd_s * self.b_fraction
-        self._compute(f"I{ins.mb}", dur)
+        dur = self._t(ins).bwd_s * self._frac(ins)
+        self._compute(self._name("I", ins), dur)
         self.busy += dur
 
     def bwd_weight(self, ins):
-        dur = self.times.bwd_s * (1.0 - self.b_fraction)
-        self._compute(f"W{ins.mb}", dur)
+        dur = self._t(ins).bwd_s * (1.0 - self._frac(ins))
+        self._compute(self._name("W", ins), dur)
         self.busy += dur
-        self.inflight -= 1
+        self._count(ins, -1)
         self.last_bwd_end = self.tl.clock[self.wid]
 
     def _send(self, ins, kind: str, dur: float):
         """One send, or a TP sender's share to every receiver: `dur` is the resource model's
-        time of the whole boundary transfer with every sender's share in flight at once."""
+        time of the whole boundary transfer with every sender's share in flight at once. A
+        transfer between two chunks of one worker costs nothing."""
         w, tl = self.wid, self.tl
+        tag = self._tag(ins, kind, True)
+        if ins.peers == (w,):
+            tl.arrivals[(kind, ins.mb, w, w, tag)] = tl.clock[w]
+            return
         start = max(tl.clock[w], tl.link_free[w])
         tl.link_free[w] = start + dur
         for peer in ins.peers:
-            tl.arrivals[(kind, ins.mb, w, peer)] = start + dur
+            tl.arrivals[(kind, ins.mb, w, peer, tag)] = start + dur
         tl.emit(w, "comm", f"send_{kind}" + (f" {ins.mb}" if ins.mb >= 0 else ""), start, dur)
 
     def _recv(self, ins, kind: str):
-        keys = [(kind, ins.mb, peer, self.wid) for peer in ins.peers]
+        tag = self._tag(ins, kind, False)
+        keys = [(kind, ins.mb, peer, self.wid, tag) for peer in ins.peers]
         for peer, key in zip(ins.peers, keys):
             if key not in self.tl.arrivals:
                 if peer not in self.simulated:
@@ -165,10 +228,10 @@ class SimulatedWorker(StreamInterpreter):
             self.tl.clock[self.wid] = max(self.tl.clock[self.wid], self.tl.arrivals.pop(key))
 
     def send_act(self, ins):
-        self._send(ins, "act", self.times.send_act_s)
+        self._send(ins, "act", self._t(ins).send_act_s)
 
     def send_grad(self, ins):
-        self._send(ins, "grad", self.times.send_grad_s)
+        self._send(ins, "grad", self._t(ins).send_grad_s)
 
     def recv_act(self, ins):
         self._recv(ins, "act")
@@ -179,21 +242,24 @@ class SimulatedWorker(StreamInterpreter):
     # tied parameters: one tensor set each way per step, queued on the sender's link like any
     # send; the key has no micro-batch (-1: one exchange of each kind per step)
     def send_tied_grads(self, ins):
-        self._send(Instr(ins.op, -1, ins.peer), "tied_grads", self.times.tied_s)
+        self._send(Instr(ins.op, -1, ins.peer, chunk=ins.chunk), "tied_grads",
+                   self._t(ins).tied_s)
 
     def recv_tied_grads(self, ins):
-        self._recv(Instr(ins.op, -1, ins.peer), "tied_grads")
+        self._recv(Instr(ins.op, -1, ins.peer, chunk=ins.chunk), "tied_grads")
 
     def send_tied_params(self, ins):
-        self._send(Instr(ins.op, -1, ins.peer), "tied_params", self.times.tied_s)
+        self._send(Instr(ins.op, -1, ins.peer, chunk=ins.chunk), "tied_params",
+                   self._t(ins).tied_s)
 
     def recv_tied_params(self, ins):
-        self._recv(Instr(ins.op, -1, ins.peer), "tied_params")
+        self._recv(Instr(ins.op, -1, ins.peer, chunk=ins.chunk), "tied_params")
 
     def all_reduce(self, ins):
         w, tl = self.wid, self.tl
         members = [g for g in ins.group if g in self.simulated]
-        bar = tl.barriers.setdefault((ins.group, self.ar_count), {"arrived": {}, "end": None})
+        bar = tl.barriers.setdefault((ins.group, self.ar_count, ins.chunk),
+                                     {"arrived": {}, "end": None})
         if w not in bar["arrived"]:
             bar["arrived"][w] = max(tl.clock[w], tl.link_free[w])
         if bar["end"] is None:
@@ -201,7 +267,7 @@ class SimulatedWorker(StreamInterpreter):
                 raise _Blocked
             start = max(bar["arrived"].values())
             # members are replicas of one stage, so they share one all-reduce time
-            bar["start"], bar["end"] = start, start + self.times.dp_allreduce_s
+            bar["start"], bar["end"] = start, start + self._t(ins).dp_allreduce_s
         tl.emit(w, "comm", "all_reduce grads", bar["start"], bar["end"] - bar["start"])
         tl.clock[w] = tl.link_free[w] = bar["end"]
         self.ar_count += 1
@@ -211,7 +277,7 @@ class SimulatedWorker(StreamInterpreter):
         pass
 
     def opt_step(self, ins):
-        self._compute("opt_step", self.times.opt_step_s)
+        self._compute("opt_step", self._t(ins).opt_step_s)
 
     def migrate(self, ins):
         # expert migration at the step boundary (h2ir/schedule/streams.py): a load exchange in
@@ -246,8 +312,19 @@ def run_streams(workers: list[SimulatedWorker]) -> float:
 
 
 def plan_layout(plan: Plan) -> WorkerLayout:
-    """The worker layout of a plan: dp replicas of its stages, stage s with tp ranks."""
+    """The worker layout of a plan: dp replicas of its stages, stage s with tp ranks (with
+    virtual stages: of its workers, each holding `plan.virtual` chunks)."""
+    if plan.is_virtual:
+        return WorkerLayout(plan.dp, (1,) * plan.num_physical)
     return WorkerLayout(plan.dp, tuple(st.tp for st in plan.stages))
+
+
+def plan_chunks(plan: Plan) -> list[list[int]]:
+    """Per physical stage, the stages (chunks) its worker runs: [[0], [1], ...] without
+    virtual stages."""
+    if not plan.is_virtual:
+        return [[s] for s in range(plan.num_stages)]
+    return chunk_stages(plan.schedule, plan.num_physical, plan.virtual)
 
 
 def _one_rank_layout(plan: Plan) -> WorkerLayout:
@@ -260,6 +337,9 @@ def _one_rank_layout(plan: Plan) -> WorkerLayout:
 
 def _worker_name(plan: Plan, w: int) -> str:
     r, s, k = plan_layout(plan).where(w)
+    if plan.is_virtual:
+        cs = plan_chunks(plan)[s]
+        return f"w{w} r{r} stages {'+'.join(map(str, cs))} {plan.stages[cs[0]].chip}"
     st = plan.stages[s]
     return f"w{w} r{r} stage {s} {st.chip}" + (f" tp{st.tp} rank {k}" if st.tp > 1 else "")
 
@@ -286,7 +366,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
     S, m = plan.num_stages, plan.num_microbatches
     lay = plan_layout(plan)
-    if one_rank and streams is None and symmetric:
+    if one_rank and streams is None and symmetric and not plan.is_virtual:
         lay = _one_rank_layout(plan)
     program_comm = program_comm or {}
     times = [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
@@ -294,7 +374,9 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     if streams is None:
         ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
         streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
-                                ties=ties, tp=lay.tps)
+                                ties=ties, tp=None if plan.is_virtual else lay.tps,
+                                virtual=plan.virtual,
+                                durations=chunk_durations(times, b_fractions or {}))
         if symmetric:
             workers = workers or list(range(lay.per_replica))
     workers = sorted(workers if workers is not None else streams)
@@ -308,15 +390,33 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     simulated = set(workers)
     tl = Timeline(record=record)
     fr = b_fractions or {}
-    sims = [SimulatedWorker(w, streams[w], times[stage_of[w]], tl, simulated,
-                            fr.get(stage_of[w], 0.5)) for w in workers]
+    groups = plan_chunks(plan)
+
+    def chunks_of(w):
+        if not plan.is_virtual:
+            return None
+        r = lay.where(w)[0]
+        vs = groups[stage_of[w]]
+        return Chunks(vs, [times[v] for v in vs], [fr.get(v, 0.5) for v in vs],
+                      {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g},
+                      tied_stage_groups(costs.ties, [list(x.layers) for x in plan.stages]))
+
+    sims = [SimulatedWorker(w, streams[w], times[groups[stage_of[w]][0]], tl, simulated,
+                            fr.get(stage_of[w], 0.5), chunks_of(w)) for w in workers]
     step = run_streams(sims)
 
     flush = max(s.last_bwd_end for s in sims)
     busy_total = sum(s.busy for s in sims)
     bubble = 1.0 - busy_total / (len(sims) * flush) if flush > 0 else 0.0
     mem = []
-    for j in range(S):
+    if plan.is_virtual:
+        peak_of = {}
+        for sw in sims:
+            for c, v in enumerate(groups[stage_of[sw.wid]]):
+                peak_of[v] = max(peak_of.get(v, 0), sw.chunk_peak.get(c, 0))
+        for j in range(S):
+            mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak_of.get(j, 0)))
+    for j in range(S if not plan.is_virtual else 0):
         peak = max((s.inflight_peak for s in sims if stage_of[s.wid] == j), default=0)
         mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak))
     return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
@@ -328,7 +428,18 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                                        else f"w{w} stage {stage_of[w]} {plan.stages[stage_of[w]].chip} "
                                        f"tp rank 0 of {plan.stages[stage_of[w]].tp}")
                                    for w in workers},
-                     stage_of=stage_of)
+                     stage_of=stage_of, chunk_groups=groups if plan.is_virtual else None)
+
+
+def chunk_durations(times: list[StageTimes], b_fractions: dict) -> dict:
+    """Per stage, (forward, input-gradient B, weight-gradient W) seconds of one micro-batch:
+    what the zero-bubble list scheduler orders a virtual-stage pipeline by
+    (h2ir/schedule/streams.py `_greedy_orders`), so its streams follow the stages' speeds."""
+    out = {}
+    for j, t in enumerate(times):
+        fr = b_fractions.get(j, 0.5)
+        out[j] = (t.fwd_s, t.bwd_s * fr, t.bwd_s * (1.0 - fr))
+    return out
 
 
 def _check_batch(plan: Plan) -> None:
@@ -343,10 +454,11 @@ def _mfu(rm: ResourceModel, plan: Plan, step: float) -> dict[str, float]:
     """MFU per chip type: model FLOPs it executed (no recompute) / (its chips x peak x step)."""
     flops_by_chip: dict[str, float] = {}
     chips_by_chip: dict[str, int] = {}
+    leaders = {g[0] for g in plan_chunks(plan)}      # a worker's later chunks use its chips
     for j, st in enumerate(plan.stages):
         flops = rm.stage_flops(plan, j) * plan.num_microbatches * plan.dp
         flops_by_chip[st.chip] = flops_by_chip.get(st.chip, 0.0) + flops
-        chips_by_chip[st.chip] = chips_by_chip.get(st.chip, 0) + st.chips
+        chips_by_chip[st.chip] = chips_by_chip.get(st.chip, 0) + (st.chips if j in leaders else 0)
     return {c: f / (chips_by_chip[c] * rm.rates(c).peak_flops * step) for c, f in flops_by_chip.items()}
 
 

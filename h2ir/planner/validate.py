@@ -19,7 +19,7 @@ from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX
 from h2ir.planner.resource import ep_groups, stage_memory
 from h2ir.planner.search import divisors
 from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
-from h2ir.schedule.streams import WorkerLayout, worker_hosts
+from h2ir.schedule.streams import WorkerLayout, chunk_stages, worker_hosts
 
 # how many of a stage's biggest memory consumers an out-of-memory error lists
 _TOP_CONSUMERS = 4
@@ -30,6 +30,7 @@ def validate_plan(plan: Plan, costs: ModelCosts, cluster: Cluster) -> list[str]:
     v = _Validator(plan, costs, cluster)
     v.plan_values()
     v.stages()
+    v.virtual()
     v.chip_totals()
     v.batch()
     v.layers()
@@ -124,9 +125,44 @@ class _Validator:
                           hint="tp must divide the head count: "
                           + ", ".join(str(d) for d in divisors(heads)))
 
+    def virtual(self):
+        """A virtual-stage schedule: the stages are chunks, `virtual` per worker; the chunks of
+        one worker share its chip type (and chips), and run without tp or ep."""
+        p = self.plan
+        if not p.is_virtual:
+            return
+        n = len(p.stages)
+        if p.virtual < 2 or n % p.virtual:
+            self.fail(f"schedule {p.schedule} virtual={p.virtual}: the plan's {n} stages are "
+                      f"its chunks and must be a multiple of {p.virtual}", "schedule",
+                      hint=f"write {p.virtual} stages per worker, in model order")
+        for i, s in enumerate(p.stages):
+            if s.tp != 1 or p.stage_ep(i) != 1:
+                self.fail(f"stage {i}: schedule {p.schedule} runs chunks with tp=1 and no "
+                          "expert parallelism", self._stage_key(i, "tp"))
+        for w, chunks in enumerate(chunk_stages(p.schedule, p.num_physical, p.virtual)):
+            first = p.stages[chunks[0]]
+            for j in chunks[1:]:
+                if (p.stages[j].chip, p.stages[j].chips) != (first.chip, first.chips):
+                    self.fail(f"stage {j} runs on the worker of stage {chunks[0]} (schedule "
+                              f"{p.schedule}: worker {w} holds stages "
+                              f"{', '.join(map(str, chunks))}) but asks for chip={p.stages[j].chip} "
+                              f"chips={p.stages[j].chips}, not chip={first.chip} "
+                              f"chips={first.chips}", self._stage_key(j, "chip"))
+        if p.schedule in ("interleaved", "izb") and p.num_microbatches % p.num_physical:
+            self.fail(f"schedule {p.schedule} needs the micro-batches per step "
+                      f"({p.num_microbatches}) to be a multiple of the {p.num_physical} workers "
+                      "of a pipeline", "batch",
+                      hint="change global=, micro= or dp, or use zbv")
+
     def chip_totals(self):
         used: dict[str, int] = {}
+        leaders = {cs[0] for cs in chunk_stages(self.plan.schedule, self.plan.num_physical,
+                                                 self.plan.virtual)} \
+            if self.plan.is_virtual else set(range(len(self.plan.stages)))
         for i, s in enumerate(self.plan.stages):
+            if i not in leaders:         # a later chunk of a worker counted with its first
+                continue
             used[s.chip] = used.get(s.chip, 0) + s.chips
             have = self.cluster.count(s.chip)
             if used[s.chip] > have:
@@ -239,6 +275,18 @@ class _Validator:
                     self.fail(f"{who} does not divide the {e} experts of the MoE layers", key)
 
     def memory(self):
+        p = self.plan
+        if p.is_virtual:        # a worker's chunks share its device
+            for w, chunks in enumerate(chunk_stages(p.schedule, p.num_physical, p.virtual)):
+                mems = [stage_memory(self.costs, p, self.cluster, j) for j in chunks]
+                total, cap = sum(m.total for m in mems), mems[0].capacity
+                if total > cap:
+                    self.fail(f"stages {', '.join(map(str, chunks))} (the chunks of worker "
+                              f"{w}) do not fit in memory: they need {_bytes(total)} "
+                              f"({total:,} B) per device, {p.stages[chunks[0]].chip} has "
+                              f"{_bytes(cap)} ({cap:,} B)", f"stage.{chunks[0]}",
+                              hint="try recompute=full or fewer layers on these stages")
+            return
         for i, s in enumerate(self.plan.stages):
             mem = stage_memory(self.costs, self.plan, self.cluster, i)
             if mem.total > mem.capacity:

@@ -30,7 +30,8 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedInput
 
 from h2ir.errors import H2Error, lark_error, read_user_file
-from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, MoEPlan, Plan, StagePlan
+from h2ir.plans.plan import (A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES,
+                             VIRTUAL_SCHEDULES, MoEPlan, Plan, StagePlan)
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
 
@@ -79,7 +80,7 @@ def format_plan(plan: Plan) -> str:
         f"model    {_quote(plan.model)}",
         f"cluster  {_quote(plan.cluster)}",
         f"batch    global={plan.global_batch} micro={plan.micro_batch} seq={plan.seq_len}",
-        f"schedule {plan.schedule}",
+        f"schedule {plan.schedule}" + (f" virtual={plan.virtual}" if plan.is_virtual else ""),
         f"dp       {plan.dp}",
     ]
     for s in plan.stages:
@@ -177,6 +178,17 @@ class _PlanBuilder:
                 values.update(self.batch(stmt))
             elif kind == "schedule":
                 values["schedule"] = self.word(stmt.children[0], SCHEDULES, "schedule")
+                if len(stmt.children) > 1:
+                    if values["schedule"] not in VIRTUAL_SCHEDULES:
+                        self.fail(f"virtual= applies to the virtual-stage schedules "
+                                  f"({', '.join(VIRTUAL_SCHEDULES)}), not "
+                                  f"{values['schedule']}", stmt.children[1])
+                    values["virtual"] = self.positive(stmt.children[1], "virtual")
+                    if values["virtual"] < 2:
+                        self.fail("virtual= must be at least 2 (chunks per worker)",
+                                  stmt.children[1])
+                elif values["schedule"] in VIRTUAL_SCHEDULES:
+                    values["virtual"] = 2
             elif kind == "dp":
                 values["dp"] = self.positive(stmt.children[0], "dp")
             elif kind == "stage":
@@ -195,6 +207,7 @@ class _PlanBuilder:
                     global_batch=values["global"], micro_batch=values["micro"],
                     seq_len=values["seq"], stages=stages, dp=values.get("dp", 1),
                     schedule=values.get("schedule", "1f1b"), moe=moe,
+                    virtual=values.get("virtual", 1),
                     locations=self.locations)
 
     def batch(self, stmt: Tree) -> dict:

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("1f1b", "gpipe", "zb1")     # zb1: ZB-H1 (Qi et al. 2024), backward split in B and W
+# zb1: ZB-H1 (Qi et al. 2024), backward split in B and W. Virtual-stage schedules (a worker
+# holds `virtual` layer chunks; h2ir/schedule/streams.py): interleaved (interleaved 1F1B,
+# Narayanan et al. SC'21), izb (interleaved zero bubble), zbv (V-shape zero bubble, 2 chunks)
+SCHEDULES = ("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv")
+VIRTUAL_SCHEDULES = ("interleaved", "izb", "zbv")
 RECOMPUTE = ("none", "full")
 A2A_ALGOS = ("flat", "halo")
 PLACEMENTS = ("contiguous", "round_robin", "balanced")
@@ -60,6 +64,9 @@ class Plan:
     dp: int = 1
     schedule: str = "1f1b"
     moe: MoEPlan | None = None
+    # chunks per worker of a virtual-stage schedule: `stages` are then the virtual stages in
+    # model order, and a worker runs `virtual` of them (`chunk_stages`)
+    virtual: int = 1
     source: str | None = field(default=None, compare=False)   # file the plan came from
     # where each statement/option was written: 'batch', 'dp', 'stage.2', 'stage.2.tp', 'moe.ep', ...
     # -> (line, column); filled by h2ir/plans/dsl.py so validation errors can point at the text
@@ -74,12 +81,22 @@ class Plan:
         return self.global_batch // (self.dp * self.micro_batch)
 
     @property
+    def num_physical(self) -> int:
+        """Pipeline stages that are workers: the stages, or with virtual stages their number
+        over the chunks per worker."""
+        return len(self.stages) // self.virtual if self.is_virtual else len(self.stages)
+
+    @property
+    def is_virtual(self) -> bool:
+        return self.schedule in VIRTUAL_SCHEDULES
+
+    @property
     def num_workers(self) -> int:
         """Executor workers: one per (replica, stage) (TP groups count as one worker)."""
-        return self.dp * len(self.stages)
+        return self.dp * self.num_physical
 
     def worker(self, replica: int, stage: int) -> int:
-        return replica * len(self.stages) + stage
+        return replica * self.num_physical + stage
 
     def stage_ep(self, stage: int) -> int:
         """Expert-parallel degree of stage `stage`: its own `ep=`, else the moe section's, else 1.

@@ -38,6 +38,9 @@ has a one-line text form that round-trips:
                             (`share_dim` says along which dim); gradients flow back alike
     send_tied_params -> w1  the owner sends the updated tied parameters to a holder
     recv_tied_params <- w0  a holder takes the owner's updated tied parameters
+    fwd 3 c1                virtual-stage schedules (interleaved, izb, zbv): any instruction
+                            with a trailing chunk id runs on that layer chunk of the worker
+                            (`chunk_stages` says which stage each chunk is)
 
 Tied parameters (an embedding tied to the LM head on another stage) stay one logical parameter,
 as Megatron-LM keeps its embedding group: the stage of the first layer that reads one owns it
@@ -169,13 +172,19 @@ class Instr:
     group: tuple[int, ...] | None = None
     share: tuple[int, int] | None = None     # (index, count) of a TP sender's share
     ep: tuple[int, ...] | None = None        # fwd/bwd: the EP group; all_reduce: (ep degree,)
+    chunk: int | None = None                 # virtual-stage schedules: which of the worker's
+                                             # layer chunks the instruction runs on
+
+    def __str__(self) -> str:
+        text = self._text()
+        return text if self.chunk is None else f"{text} c{self.chunk}"
 
     @property
     def peers(self) -> tuple[int, ...]:
         """Send/recv peers: one worker, or every worker of the other stage's TP group."""
         return (self.peer,) if self.peer is not None else tuple(self.group or ())
 
-    def __str__(self) -> str:
+    def _text(self) -> str:
         if self.op in ("fwd", "bwd", "bwd_input", "bwd_weight"):
             return f"{self.op} {self.mb}" + (f" tp[{_ws(self.group)}]" if self.group else "") \
                 + (f" ep[{_ws(self.ep)}]" if self.ep else "")
@@ -203,6 +212,10 @@ class Instr:
     @classmethod
     def parse(cls, text: str) -> "Instr":
         t = text.strip()
+        m = re.fullmatch(r"(.*\S) c(\d+)", t)
+        if m:
+            from dataclasses import replace
+            return replace(cls.parse(m[1]), chunk=int(m[2]))
         m = re.fullmatch(r"(fwd|bwd|bwd_input|bwd_weight) (\d+)", t)
         if m:
             return cls(m[1], int(m[2]))
@@ -358,19 +371,223 @@ def compute_order(schedule: str, stage: int, S: int, m: int) -> list[tuple[str, 
     raise ValueError(f"unknown schedule {schedule!r} (expected 1f1b, gpipe or zb1)")
 
 
+# ---- virtual stages: a worker holds several layer chunks ---------------------------------------
+# The plan's stages are then virtual stages in model order; chunk c of physical stage s is
+# virtual stage `chunk_stages(...)[s][c]`.
+VIRTUAL_SCHEDULES = ("interleaved", "izb", "zbv")
+SPLIT_SCHEDULES = ("zb1", "izb", "zbv")         # backward split into B (input) and W (weight)
+
+
+def chunk_stages(schedule: str, S: int, V: int) -> list[list[int]]:
+    """Per physical stage, the virtual stages its chunks run, in chunk order. Interleaved
+    (Narayanan et al. SC'21 Sec. 2.2): chunk c of stage s is virtual stage c*S + s. V-shape
+    (ZB-V, Qi et al. ICLR 2024 Sec. 6): stage s holds virtual stages s and 2S-1-s, so the first
+    worker also runs the last chunk and the loss."""
+    if schedule == "zbv":
+        if V != 2:
+            raise H2Error(f"schedule zbv runs 2 chunks per worker, not virtual={V}")
+        return [[s, 2 * S - 1 - s] for s in range(S)]
+    return [[c * S + s for c in range(V)] for s in range(S)]
+
+
+def _interleaved_order(s: int, S: int, V: int, m: int) -> list[tuple[str, int, int]]:
+    """Megatron-LM's interleaved 1F1B on stage s: forward k runs micro-batch
+    (k // SV)·S + k % S on chunk (k // S) % V, backward k the same micro-batch on the mirrored
+    chunk; (S-s-1)·2 + (V-1)·S warm-up forwards, then one forward / one backward, then the
+    drain. Needs m to be a multiple of S."""
+    total = m * V
+    warm = min((S - s - 1) * 2 + (V - 1) * S, total)
+
+    def mb(k):
+        return (k // (S * V)) * S + k % S
+
+    order = [("F", mb(k), (k // S) % V) for k in range(warm)]
+    for i in range(total - warm):
+        order.append(("F", mb(warm + i), ((warm + i) // S) % V))
+        order.append(("B", mb(i), V - 1 - (i // S) % V))
+    order += [("B", mb(i), V - 1 - (i // S) % V) for i in range(total - warm, total)]
+    return order
+
+
+def _greedy_orders(vstages: list[list[int]], m: int, caps: list[int],
+                   durations: dict | None = None,
+                   reserve: bool = False) -> list[list[tuple[str, int, int]]]:
+    """Zero-bubble orders by list scheduling (the greedy of Qi et al. 2024, Sec. 3.2): every
+    worker, when free, runs the ready action of highest priority — an input-gradient B first
+    (it unblocks the stage upstream; deeper chunks first), then a forward while its in-flight
+    activations stay under `caps[p]` (deeper chunks first), then a postponed weight-gradient W,
+    which fills what would be a bubble. `durations[v]` = (F, B, W) seconds of virtual stage v
+    (unit times by default), so a heterogeneous pipeline's order follows its stages' speeds.
+    The orders come from one causal timeline, so the streams cannot deadlock."""
+    from collections import deque
+    P = len(vstages)
+    VS = sum(len(cs) for cs in vstages)
+    where = {v: (p, c) for p, cs in enumerate(vstages) for c, v in enumerate(cs)}
+    dur = durations or {}
+    nf, nb = [0] * VS, [0] * VS
+    f_end: dict = {}
+    b_end: dict = {}
+    wq = [deque() for _ in range(P)]
+    inflight, free = [0] * P, [0.0] * P
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
+    left = 3 * VS * m
+    eps = 1e-9 * max([1.0] if not dur else [max(t) for t in dur.values()])   # float ties
+    while left:
+        best = None
+        for p in range(P):
+            cands = []          # (ready time, priority, kind, v, mb)
+            for v in vstages[p]:
+                i = nb[v]
+                if i < m and (v, i) in f_end and (v == VS - 1 or (v + 1, i) in b_end):
+                    ready = max(f_end[(v, i)], b_end.get((v + 1, i), 0.0))
+                    cands.append((ready, (0, -v), "I", v, i))
+                i = nf[v]
+                # a shallower chunk leaves a slot for each deeper one: the deepest pending
+                # forward is never blocked by activations waiting on it
+                room = caps[p] - (len(vstages[p]) - 1 - where[v][1] if reserve else 0)
+                if i < m and inflight[p] < room and (v == 0 or (v - 1, i) in f_end):
+                    cands.append((f_end.get((v - 1, i), 0.0), (1, -v), "F", v, i))
+            if wq[p]:
+                v, i = wq[p][0]
+                cands.append((b_end[(v, i)], (2, 0), "W", v, i))
+            if not cands:
+                continue
+            now = [c for c in cands if c[0] <= free[p] + eps]
+            pick = min(now, key=lambda c: c[1]) if now else min(cands, key=lambda c: (c[0], c[1]))
+            start = max(free[p], pick[0])
+            if best is None or (start, p) < best[:2]:
+                best = (start, p, pick)
+        if best is None:
+            # stuck: every worker's activations wait on forwards its cap keeps out. Again with
+            # a slot kept for each deeper chunk, then with a slot more everywhere (at m per
+            # chunk nothing is held back: GPipe's memory)
+            if min(caps) >= len(vstages[0]) * m:
+                raise H2Error("internal: the zero-bubble list scheduler found no runnable "
+                              f"action (caps {caps})")
+            if not reserve:
+                return _greedy_orders(vstages, m, caps, durations, reserve=True)
+            return _greedy_orders(vstages, m, [c + 1 for c in caps], durations, reserve=True)
+        start, p, (_, _, kind, v, i) = best
+        f, b, w = dur.get(v, (1.0, 1.0, 1.0))
+        end = start + {"F": f, "I": b, "W": w}[kind]
+        free[p] = end
+        if kind == "F":
+            f_end[(v, i)] = end
+            nf[v] += 1
+            inflight[p] += 1
+        elif kind == "I":
+            b_end[(v, i)] = end
+            nb[v] += 1
+            wq[p].append((v, i))
+        else:
+            wq[p].popleft()
+            inflight[p] -= 1
+        orders[p].append((kind, i, where[v][1]))
+        left -= 1
+    return orders
+
+
+def chunk_orders(schedule: str, S: int, V: int, m: int,
+                 durations: dict | None = None) -> list[list[tuple[str, int, int]]]:
+    """Per physical stage, its (kind, micro-batch, chunk) computations for a virtual-stage
+    schedule: 'interleaved' (interleaved 1F1B), 'izb' (interleaved zero bubble: the greedy
+    with interleaved 1F1B's activation memory) or 'zbv' (V-shape zero bubble with 1F1B's
+    activation memory: 2S chunk activations on every worker)."""
+    if schedule in ("interleaved", "izb") and m % S:
+        raise H2Error(f"schedule {schedule} needs the micro-batches per step ({m}) to be a "
+                      f"multiple of the pipeline's {S} stages")
+    if schedule == "interleaved":
+        return [_interleaved_order(s, S, V, m) for s in range(S)]
+    vst = chunk_stages(schedule, S, V)
+    if schedule == "izb":
+        caps = [_peak_inflight(_interleaved_order(s, S, V, m)) for s in range(S)]
+    elif schedule == "zbv":
+        caps = [2 * S] * S
+    else:
+        raise ValueError(f"not a virtual-stage schedule: {schedule!r}")
+    return _greedy_orders(vst, m, caps, durations)
+
+
+def _peak_inflight(order) -> int:
+    n = peak = 0
+    for kind, _, _ in order:
+        n += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+        peak = max(peak, n)
+    return peak
+
+
+def _chunked_stream(order, p: int, vstages: list[list[int]], worker, dp_group,
+                    ties: dict[int, tuple[int, ...]]) -> list[Instr]:
+    """`_stage_stream` for a worker holding chunks: every instruction names its chunk; a
+    chunk's neighbours are the virtual stages before and after it, wherever they run (a
+    transfer between two chunks of one worker is a send to itself). The step ends with each
+    chunk's tied-gradient hand-over, all-reduce and optimizer step."""
+    VS = sum(len(cs) for cs in vstages)
+    host = {v: q for q, cs in enumerate(vstages) for v in cs}
+    mine = vstages[p]
+    out: list[Instr] = []
+    for kind, mb, c in order:
+        v = mine[c]
+        if kind == "F":
+            if v > 0:
+                out.append(Instr("recv_act", mb, worker(host[v - 1]), chunk=c))
+            out.append(Instr("fwd", mb, chunk=c))
+            if v < VS - 1:
+                out.append(Instr("send_act", mb, worker(host[v + 1]), chunk=c))
+        elif kind == "W":
+            out.append(Instr("bwd_weight", mb, chunk=c))
+        else:
+            if v < VS - 1:
+                out.append(Instr("recv_grad", mb, worker(host[v + 1]), chunk=c))
+            out.append(Instr("bwd" if kind == "B" else "bwd_input", mb, chunk=c))
+            if v > 0:
+                out.append(Instr("send_grad", mb, worker(host[v - 1]), chunk=c))
+    owner_of = {h: o for o, hs in ties.items() for h in hs}
+    for c, v in enumerate(mine):
+        if v in owner_of:
+            out.append(Instr("send_tied_grads", peer=worker(host[owner_of[v]]), chunk=c))
+    for c, v in enumerate(mine):
+        for q in sorted({host[h] for h in ties.get(v, ())}):
+            out.append(Instr("recv_tied_grads", peer=worker(q), chunk=c))
+    for c in range(len(mine)):
+        if len(dp_group) > 1:
+            out.append(Instr("all_reduce", group=tuple(dp_group), chunk=c))
+        out.append(Instr("opt_step", chunk=c))
+    for c, v in enumerate(mine):
+        for q in sorted({host[h] for h in ties.get(v, ())}):
+            out.append(Instr("send_tied_params", peer=worker(q), chunk=c))
+    for c, v in enumerate(mine):
+        if v in owner_of:
+            out.append(Instr("recv_tied_params", peer=worker(host[owner_of[v]]), chunk=c))
+    return out
+
+
+def _check_tied_chunks(ties: dict[int, tuple[int, ...]], vstages: list[list[int]]) -> None:
+    host = {v: q for q, cs in enumerate(vstages) for v in cs}
+    for o, hs in ties.items():
+        on = [host[h] for h in hs]
+        if len(on) != len(set(on)):
+            raise H2Error(f"two chunks of one worker hold copies of stage {o}'s tied "
+                          "parameters; h2 supports one such chunk per worker")
+
+
 def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int = 1,
                   ties: dict[int, tuple[int, ...]] | None = None,
                   tp: list[int] | tuple[int, ...] | None = None,
                   ep: list[int] | tuple[int, ...] | None = None,
-                  migrate: bool = False) -> dict[int, list[Instr]]:
+                  migrate: bool = False, virtual: int = 1,
+                  durations: dict | None = None) -> dict[int, list[Instr]]:
     """Instruction streams for every worker of a dp x num_stages pipeline whose stage s has
     tp[s] ranks (`WorkerLayout`); `ties` is `tied_stage_groups`' owner -> holders map (tied
     parameters are exchanged inside a replica, rank with rank: tied stages share one tp).
     `ep[s]` > 1 makes stage s expert-parallel: replicas b*ep .. b*ep+ep-1 form one EP group
     (`WorkerLayout.ep_group`); `migrate` adds expert migration at each EP stage's step end."""
     S = num_stages
-    lay = WorkerLayout(dp, tuple(tp or (1,) * S))
     ties = ties or {}
+    if schedule in VIRTUAL_SCHEDULES:
+        return _build_chunked_streams(schedule, S, num_microbatches, dp, ties, tp, ep, virtual,
+                                      durations)
+    lay = WorkerLayout(dp, tuple(tp or (1,) * S))
     owner_of = {h: o for o, hs in ties.items() for h in hs}
     for o, hs in ties.items():
         for h in hs:
@@ -394,6 +611,29 @@ def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int
                     groups=lambda st, r=r: lay.tp_group(r, st), rank=k,
                     ep_group=lay.ep_group(r, s, eps[s], k) if eps[s] > 1 else None,
                     migrate=migrate)
+    return streams
+
+
+def _build_chunked_streams(schedule, VS, m, dp, ties, tp, ep, V, durations):
+    """build_streams for a virtual-stage schedule: `VS` virtual stages on VS / V workers per
+    replica (tp 1, no EP)."""
+    if V < 2 or VS % V:
+        raise H2Error(f"schedule {schedule} with virtual={V} needs a multiple of {V} stages "
+                      f"(the plan has {VS})")
+    if any(t != 1 for t in (tp or ())) or any(e != 1 for e in (ep or ())):
+        raise H2Error(f"schedule {schedule}: stages with tp or ep > 1 are not supported with "
+                      "virtual stages")
+    S = VS // V
+    vstages = chunk_stages(schedule, S, V)
+    _check_tied_chunks(ties, vstages)
+    lay = WorkerLayout(dp, (1,) * S)
+    orders = chunk_orders(schedule, S, V, m, durations)
+    streams = {}
+    for r in range(dp):
+        for s in range(S):
+            streams[lay.wid(r, s)] = _chunked_stream(
+                orders[s], s, vstages, worker=lambda st, r=r: lay.wid(r, st),
+                dp_group=list(lay.dp_group(s)), ties=ties)
     return streams
 
 
