@@ -339,7 +339,9 @@ def serve(a, console) -> int:
     stop = Stop(console, hosts_store=not env.agent_store and env.rank == 0)
     W = len(build.workers)
     status = np.zeros(4)
-    pin_to_core(wid, sharing=len(build.hosts[build.workers[wid].get("host", 0)]))
+    # emulated hosts of one machine (a cluster with shared_cores) share its cores: all workers
+    shared = (build.manifest.get("cluster") or {}).get("shared_cores")
+    pin_to_core(wid, sharing=W if shared else len(build.hosts[build.workers[wid].get("host", 0)]))
     threading.Thread(target=_heartbeat, args=(records, wid, env.host, addr, status, stop,
                                               os.getppid(), where), daemon=True).start()
     emit = EventSender(records, wid)

@@ -450,7 +450,7 @@ def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, 
                   "sha256": _sha256(model_path), "args": model_args, "capture": cap.how,
                   "total_params": costs.total_params, "vocab": costs.vocab},
         "cluster": {"name": cluster.name, "file": "cluster.toml" if (out / "cluster.toml").exists()
-                    else None, "dtype": cluster.dtype},
+                    else None, "dtype": cluster.dtype, "shared_cores": cluster.shared_cores},
         "plan": "plan.h2plan",
         "global_batch": plan.global_batch, "micro_batch": plan.micro_batch, "seq_len": plan.seq_len,
         "num_microbatches": plan.num_microbatches, "dp": plan.dp, "schedule": plan.schedule,

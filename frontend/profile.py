@@ -328,6 +328,14 @@ def record_spread(layers: dict) -> float:
                for r in layers.values()) / tot if tot > 0 else 0.0
 
 
+def _cores() -> int:
+    """The cores the measuring processes shared (h2ir.planner.calibration.record_sharing)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def model_digest(model_path: str) -> str:
     """SHA-256 of the model file's bytes: a record is keyed by what the model is, not its name."""
     return hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
@@ -357,7 +365,8 @@ def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, ba
     for b in backends:
         res = measured[b]
         key = layer_record_key(model_path, model_args, micro_batch, seq_len, b, workers)
-        rec = {"key": key, "host": host_info(), "software": sw, "measured_at": now_str(),
+        rec = {"key": key, "host": host_info(), "cores": _cores(), "software": sw,
+               "measured_at": now_str(),
                "reps": max(r["reps"] for r in res.values()),
                "spread": record_spread(res),
                "layers": res}

@@ -97,6 +97,10 @@ class Cluster:
     groups: tuple                      # NodeGroup, ...
     dtype: str = "bf16"                # training compute dtype the plan is costed for
     source: str | None = field(default=None, compare=False)
+    # the chips are processes on one machine with this many CPU cores (this machine's clusters,
+    # the emulated test bed): the simulator shares the cores among workers that compute at
+    # once, and measured layer times are taken as one process per core (None: chips are chips)
+    shared_cores: int | None = None
 
     def count(self, chip: str) -> int:
         return sum(g.chips for g in self.groups if g.chip == chip)

@@ -6,6 +6,8 @@ in short:
 
     name  = "h2-1024"                 # optional, defaults to the file name
     dtype = "bf16"                    # compute dtype plans are costed for (default bf16)
+    shared_cores = "auto"             # optional: the chips are processes sharing this many
+                                      # CPU cores (a number, or "auto": this machine's)
 
     [chips.Chip-A]
     base        = "H800"              # catalog entry (h2ir/catalog/chips.toml); optional
@@ -32,6 +34,7 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -46,7 +49,7 @@ BUILTIN_DIR = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
 GIB = 2 ** 30
 
-_TOP_KEYS = ("name", "dtype", "chips", "nodes")
+_TOP_KEYS = ("name", "dtype", "chips", "nodes", "shared_cores")
 _CHIP_KEYS = ("base", "vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs", "efficiency",
               "price_per_hour", "power_w", "measured", "fused_attention", "mem_reserved_gib",
               "mem_fragmentation")
@@ -104,7 +107,27 @@ def parse_cluster(text: str, file: str = "<string>", default_name: str | None = 
                    f"no peak for the cluster's dtype '{dtype}' (has "
                    f"{', '.join(sorted(chip.peak_flops)) or 'none'}); add peak_tflops.{dtype}")
     return Cluster(name=name, chip_types=chip_types, groups=tuple(groups), dtype=dtype,
-                   source=file)
+                   source=file, shared_cores=_shared_cores(r, doc))
+
+
+def _shared_cores(r: "_Reader", doc: dict) -> int | None:
+    """`shared_cores = N` or `"auto"` (the cores this process may run on): the cluster's chips
+    are processes sharing that many CPU cores."""
+    v = doc.get("shared_cores")
+    if v is None:
+        return None
+    if v == "auto":
+        # the cores this process may run on; a process pinned to one (an h2x worker) asks the
+        # machine instead, so every process of a run reads the same number
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = 1
+        return n if n > 1 else os.cpu_count() or 1
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        r.fail(("shared_cores",), f"expected a positive number of cores or \"auto\", got "
+               f"{_describe(v)}")
+    return v
 
 
 def builtin_clusters() -> list[str]:

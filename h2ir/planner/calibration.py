@@ -66,6 +66,14 @@ def calibration_path() -> Path:
     return Path.home() / ".cache" / "h2" / "calibration.json"
 
 
+def record_sharing(rec: dict) -> float:
+    """cores / measuring processes of a layer-time record, at most 1: its processes ran at
+    once (frontend/profile.py), so with more of them than cores each got that share of one."""
+    cores = rec.get("cores") or (rec.get("host") or {}).get("cpu_count") or 1
+    procs = (rec.get("key") or {}).get("workers") or cores
+    return min(1.0, cores / procs)
+
+
 def host_info() -> dict:
     """What identifies the machine a measurement belongs to. `boot_id` names the running
     kernel: processes in other network/UTS namespaces of the same machine (the emulated hosts
@@ -222,12 +230,22 @@ class Calibration:
         return sorted(out, key=lambda r: r.get("measured_at", ""), reverse=True)
 
     # -- layer times ---------------------------------------------------------------------------
-    def layer_time(self, backend: str, layer, micro_batch: int, seq_len: int):
+    def layer_time(self, backend: str, layer, micro_batch: int, seq_len: int,
+                   solo: bool = False):
         """(fwd_s, bwd_s) for `layer` (a LayerCost at `micro_batch` x `seq_len`), or None.
 
         From a trusted record of the same layer (kind, parameters, sequence length and FLOPs per
         sample all equal), scaled linearly in the micro-batch; hand-given `layer_times` are
-        scaled by their FLOP ratio, else by tokens."""
+        scaled by their FLOP ratio, else by tokens. `solo`: a record measured with more
+        processes at once than cores is taken at one process per core (its times x cores /
+        processes: `record_sharing`), for a simulator that shares the cores itself."""
+        got = self._layer_time(backend, layer, micro_batch, seq_len)
+        if got is None or not solo:
+            return got[:2] if got else None
+        f, b, share = got
+        return f * share, b * share
+
+    def _layer_time(self, backend: str, layer, micro_batch: int, seq_len: int):
         rec = self.layer_times.get(backend, {}).get(layer.kind)
         if rec:
             if rec.get("fwd_flops") and layer.fwd_flops:
@@ -235,7 +253,7 @@ class Calibration:
                 rb = layer.bwd_flops / rec["bwd_flops"] if rec.get("bwd_flops") else rf
             else:
                 rf = rb = (micro_batch * seq_len) / (rec["micro_batch"] * rec["seq_len"])
-            return rec["fwd_s"] * rf, rec["bwd_s"] * rb
+            return rec["fwd_s"] * rf, rec["bwd_s"] * rb, 1.0
         best = None
         for r in self.usable_records(backend):
             k, m = r["key"], r["layers"].get(layer.kind)
@@ -245,9 +263,9 @@ class Calibration:
             if abs(m["fwd_flops"] * scale - layer.fwd_flops) > 1e-6 * max(1, layer.fwd_flops):
                 continue
             if k["micro_batch"] == micro_batch:       # an exact shape beats a scaled one
-                return m["fwd_s"], m["bwd_s"]
+                return m["fwd_s"], m["bwd_s"], record_sharing(r)
             if best is None:
-                best = (m["fwd_s"] * scale, m["bwd_s"] * scale)
+                best = (m["fwd_s"] * scale, m["bwd_s"] * scale, record_sharing(r))
         return best
 
     def add_record(self, rec: dict) -> str:

@@ -782,7 +782,8 @@ class ResourceModel:
         cal = self._cals.get(rates.backend)
         if cal is None:
             cal = self._cals[rates.backend] = measured_calibration(rates.backend, self.calibration)
-        return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len)
+        return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len,
+                              solo=self.cluster.shared_cores is not None)
 
     def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat",
                     tp_estimate: bool = True, ep_geo: "EPGeometry | None" = None,

@@ -99,6 +99,10 @@ class Timeline:
     arrivals: dict = field(default_factory=dict)        # (kind, mb, src, dst) -> arrival time
     barriers: dict = field(default_factory=dict)        # (group, index) -> {arrived, start, end}
     events: list = field(default_factory=list)
+    # shared CPU cores (`Cluster.shared_cores`): (worker, pc) -> how much longer that compute
+    # takes than alone, and every compute's (worker, pc, start, end) for the next estimate
+    stretch: dict = field(default_factory=dict)
+    computes: list | None = None
 
     def emit(self, w, lane, name, start, dur):
         if self.record:
@@ -170,33 +174,36 @@ class SimulatedWorker(StreamInterpreter):
             return v
         return ch.holder_on(v, ins.peer)
 
-    def _compute(self, name: str, dur: float):
+    def _compute(self, name: str, dur: float) -> float:
+        """Occupy the compute lane for `dur` (stretched where cores are shared); returns the
+        time it took."""
         w, tl = self.wid, self.tl
-        tl.emit(w, "compute", name, tl.clock[w], dur)
+        dur *= tl.stretch.get((w, self.pc), 1.0)
+        start = tl.clock[w]
+        tl.emit(w, "compute", name, start, dur)
         tl.clock[w] += dur
+        if tl.computes is not None:
+            tl.computes.append((w, self.pc, start, start + dur))
+        return dur
 
     def fwd(self, ins):
         t = self._t(ins)
-        self._compute(self._name("F", ins), t.fwd_s)
-        self.busy += t.fwd_s
+        self.busy += self._compute(self._name("F", ins), t.fwd_s)
         self._count(ins, 1)
 
     def bwd(self, ins):
         t = self._t(ins)
-        self._compute(self._name("B", ins), t.bwd_s)
-        self.busy += t.bwd_s
+        self.busy += self._compute(self._name("B", ins), t.bwd_s)
         self._count(ins, -1)
         self.last_bwd_end = self.tl.clock[self.wid]
 
     def bwd_input(self, ins):
         dur = self._t(ins).bwd_s * self._frac(ins)
-        self._compute(self._name("I", ins), dur)
-        self.busy += dur
+        self.busy += self._compute(self._name("I", ins), dur)
 
     def bwd_weight(self, ins):
         dur = self._t(ins).bwd_s * (1.0 - self._frac(ins))
-        self._compute(self._name("W", ins), dur)
-        self.busy += dur
+        self.busy += self._compute(self._name("W", ins), dur)
         self._count(ins, -1)
         self.last_bwd_end = self.tl.clock[self.wid]
 
@@ -401,9 +408,17 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                       {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g},
                       tied_stage_groups(costs.ties, [list(x.layers) for x in plan.stages]))
 
-    sims = [SimulatedWorker(w, streams[w], times[groups[stage_of[w]][0]], tl, simulated,
-                            fr.get(stage_of[w], 0.5), chunks_of(w)) for w in workers]
-    step = run_streams(sims)
+    def run_once(stretch: dict, computes: list | None):
+        tl = Timeline(record=record, stretch=stretch, computes=computes)
+        sims = [SimulatedWorker(w, streams[w], times[groups[stage_of[w]][0]], tl, simulated,
+                                fr.get(stage_of[w], 0.5), chunks_of(w)) for w in workers]
+        return tl, sims, run_streams(sims)
+
+    cores = cluster.shared_cores
+    if cores and lay.num_workers > cores:
+        tl, sims, step = _shared_cores_fixed_point(run_once, cores, lay.num_workers / len(workers))
+    else:
+        tl, sims, step = run_once({}, None)
 
     flush = max(s.last_bwd_end for s in sims)
     busy_total = sum(s.busy for s in sims)
@@ -440,6 +455,46 @@ def chunk_durations(times: list[StageTimes], b_fractions: dict) -> dict:
         fr = b_fractions.get(j, 0.5)
         out[j] = (t.fwd_s, t.bwd_s * fr, t.bwd_s * (1.0 - fr))
     return out
+
+
+SHARING_ROUNDS = 12            # fixed-point rounds of the shared-core stretch (few are needed)
+
+
+def _shared_cores_fixed_point(run_once, cores: int, copies: float):
+    """Time the streams on `cores` CPU cores shared by every worker (a fluid processor-sharing
+    model): a compute that overlaps n computes on average (itself included; each simulated
+    worker stands for `copies` workers: replicas run the same stream) takes max(1, n / cores)
+    times its one-core duration. The stretch of every compute is found by iteration — simulate,
+    measure each compute's overlap, stretch it, simulate again — damped, until the step time
+    moves by less than 0.1 %."""
+    import numpy as np
+    stretch: dict = {}
+    step = None
+    for _ in range(SHARING_ROUNDS):
+        computes: list = []
+        tl, sims, new = run_once(stretch, computes)
+        if step is not None and abs(new - step) <= 1e-3 * step:
+            return tl, sims, new
+        step = new
+        if not computes:
+            break
+        iv = np.array([(c[2], c[3]) for c in computes], dtype=np.float64)
+        pts = np.unique(iv.ravel())
+        # concurrency on each elementary interval [pts[i], pts[i+1]), and its running integral
+        delta = np.zeros(len(pts) + 1)
+        np.add.at(delta, np.searchsorted(pts, iv[:, 0]), copies)
+        np.add.at(delta, np.searchsorted(pts, iv[:, 1]), -copies)
+        level = np.cumsum(delta)[:-1]
+        area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(pts))])
+        a0 = area[np.searchsorted(pts, iv[:, 0])]
+        a1 = area[np.searchsorted(pts, iv[:, 1])]
+        span = np.maximum(iv[:, 1] - iv[:, 0], 1e-15)
+        load = np.maximum(1.0, (a1 - a0) / span / cores)
+        nxt = {}
+        for (w, pc, _, _), target in zip(computes, load):
+            nxt[(w, pc)] = 0.5 * stretch.get((w, pc), 1.0) + 0.5 * target
+        stretch = nxt
+    return tl, sims, step
 
 
 def _check_batch(plan: Plan) -> None:
