@@ -2,7 +2,8 @@
 
     h2c plan MODEL.py [--arg k=v ...] [--cluster C] [--plan auto|uniform|FILE.h2plan]
              [--search heuristic|exhaustive] [--global-batch N] [--micro-batch N] [--seq-len N]
-             [--schedule 1f1b|gpipe|auto] [--time-limit SECONDS] [-o plan.h2plan] [--trace FILE]
+             [--schedule 1f1b|gpipe|zb1|interleaved|izb|zbv|auto] [--time-limit SECONDS]
+             [-o plan.h2plan] [--trace FILE]
              [--json] [--no-speedup]
 
 MODEL may also be a layer-cost JSON file (`h2c ir MODEL.py --json`), which skips tracing.
@@ -57,8 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                     metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
     ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
                     help="tokens per sequence (default: the model's maximum)")
-    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "auto"),
-                    help="pipeline schedule (auto: search 1f1b and gpipe)")
+    ap.add_argument("--schedule", default="1f1b",
+                    choices=("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv", "auto"),
+                    help="pipeline schedule (auto: search 1f1b and gpipe); interleaved, izb and "
+                    "zbv cut the searched pipeline's workers into 2 chunks each")
     ap.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after SECONDS and take the best plan found so far")
     ap.add_argument("-o", "--output", help="write the plan as .h2plan text to FILE")
@@ -212,9 +215,10 @@ def _plan_inputs(a) -> _PlanInputs:
 
 def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
     """The plan file as given (validated), the uniform split, or the HeteroAuto search; timed."""
-    from h2ir.planner.search import Candidate, search, uniform_plan
+    from h2ir.planner.search import VIRTUAL_BASE, Candidate, search, uniform_plan, virtualize
     from h2ir.planner.simulate import simulate
     costs, cluster, cal = inp.costs, inp.cluster, inp.calibration
+    schedule = VIRTUAL_BASE.get(a.schedule, a.schedule)   # virtual ones: searched as their base
     t0 = time.perf_counter()
     result = None
     if inp.given is not None:
@@ -225,19 +229,24 @@ def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
         uniform = None
     elif a.plan == "uniform":
         cand = uniform_plan(costs, cluster, inp.global_batch, inp.seq_len, a.micro_batch,
-                            "1f1b" if a.schedule == "auto" else a.schedule, calibration=cal)
+                            "1f1b" if schedule == "auto" else schedule, calibration=cal)
         uniform, warnings = cand, []
     else:
         if a.time_limit is not None and not a.time_limit > 0:
             raise H2Error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
         result = search(costs, cluster, inp.global_batch, seq_len=inp.seq_len,
-                        micro_batch=a.micro_batch, schedule=a.schedule, method=a.search,
+                        micro_batch=a.micro_batch, schedule=schedule, method=a.search,
                         calibration=cal, time_limit=a.time_limit)
         cand, uniform = result.best, result.uniform
         warnings = ([f"the --time-limit of {a.time_limit:g} s ran out: this is the best plan "
                      f"found so far, not the search's optimum"] if result.timed_out else [])
         if a.trace:        # the search times one tp rank per stage; the trace shows every rank
             cand.sim = simulate(costs, cand.plan, cluster, cal)
+    if inp.given is None and a.schedule in VIRTUAL_BASE:
+        from h2ir.planner.validate import validate_plan
+        plan = virtualize(cand.plan, costs, a.schedule)
+        warnings += validate_plan(plan, costs, cluster)
+        cand = Candidate(plan, float("nan"), cand.kind, sim=simulate(costs, plan, cluster, cal))
     return _PlanChoice(cand, uniform, warnings, result, time.perf_counter() - t0)
 
 
@@ -247,7 +256,8 @@ def _hetero_speedup(a, inp: _PlanInputs, cand: Candidate):
     cluster = inp.cluster
     if a.no_speedup or len([c for c in cluster.chip_types if cluster.count(c)]) <= 1:
         return None
-    return hetero_speedup(inp.costs, cluster, cand, schedule=a.schedule,
+    from h2ir.planner.search import VIRTUAL_BASE
+    return hetero_speedup(inp.costs, cluster, cand, schedule=VIRTUAL_BASE.get(a.schedule, a.schedule),
                           calibration=inp.calibration)
 
 

@@ -212,3 +212,16 @@ def test_the_two_lists_of_virtual_schedules_agree():
     from h2ir.schedule import streams
     assert plan.VIRTUAL_SCHEDULES == streams.VIRTUAL_SCHEDULES
     assert set(streams.SPLIT_SCHEDULES) <= set(plan.SCHEDULES)
+
+
+def test_h2c_plan_writes_a_virtual_stage_plan(tmp_path):
+    from conftest import run_cli
+    cl = tmp_path / "two.toml"
+    cl.write_text('name = "two"\ndtype = "bf16"\n[[nodes]]\nchip = "A100-80"\ncount = 1\n'
+                  'chips_per_node = 2\nintra_bw_gbs = 300\nnic_gbps = 200\n')
+    out = tmp_path / "p.h2plan"
+    r = run_cli("h2c", "plan", LLAMA, "--cluster", str(cl), "--plan", "uniform", "--schedule",
+                "zbv", "--no-speedup", "--global-batch", "16", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    p = parse_plan(out.read_text())
+    assert p.schedule == "zbv" and p.virtual == 2 and p.num_stages == 2 * p.num_physical
