@@ -84,7 +84,7 @@ class Coordinator(threading.Thread):
         a, build, out = self.a, self.build, self.out
         ckpt_dir = Path(a.checkpoint_dir) if a.checkpoint_dir else build.path / "ckpt"
         with RunLock(build.path):
-            launcher._check_outputs(build, a.checkpoint_every, a.json_log, None, ckpt_dir)
+            launcher._check_outputs(build, a.checkpoint_every, a.json_log, a.trace, ckpt_dir)
             partial = remove_partial_writes(ckpt_dir)
             if partial:
                 out(f"note: removed {len(partial)} partial checkpoint file(s) left by a "
@@ -107,7 +107,8 @@ class Coordinator(threading.Thread):
             self.records.put("plan", {
                 "start": min(start, a.steps), "resume_from": str(resume_from) if resume_from else None,
                 "transport": transport, "checkpoint_dir": str(ckpt_dir),
-                "data": data.path, "data_format": data.format, "data_max_bytes": data.max_bytes})
+                "data": data.path, "data_format": data.format, "data_max_bytes": data.max_bytes,
+                "trace": bool(a.trace), "t0_wall": time.time()})
             with (open(a.json_log, "a" if start else "w") if a.json_log
                   else contextlib.nullcontext()) as log_f:
                 run = launcher._Run(build, [], [], None, None, np.zeros((self.W, 4)), ckpt_dir,
@@ -115,6 +116,11 @@ class Coordinator(threading.Thread):
                 progress = launcher._Progress(run, self.result, a.steps, start, log_f, out)
                 self._pump(run, progress)
             out(self._links_by_host(progress.links))
+            if a.trace:         # every worker published its trace before its `done`
+                from executor.run import collect_trace
+                launcher.write_trace(build, {w: collect_trace(self.records, w, 30.0)
+                                             for w in range(self.W)}, a.trace)
+                out(f"trace: {a.trace} ({self.W} workers, every host)")
             self.records.put("finished", {"ok": True})
         if sim is not None and len(self.result.step_s) > 1:
             measured = float(np.median(self.result.step_s[1:]))

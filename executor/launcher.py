@@ -520,15 +520,23 @@ def _failure(build, w, status, run_dir, what: str, connected=None) -> str:
 
 
 def _write_trace(build, run_dir: Path, path: str):
+    traces = {}
+    for w in range(len(build.workers)):
+        f = run_dir / f"trace_w{w}.json"
+        if f.exists():
+            traces[w] = json.loads(f.read_text())
+    write_trace(build, traces, path)
+
+
+def write_trace(build, traces: dict, path: str):
+    """The measured Chrome/Perfetto trace from each worker's trace list (Worker.trace: lane,
+    name, start, duration, step[, counters]); a worker missing from `traces` has no events."""
     events = []
     names = {}
     for w in range(len(build.workers)):
-        f = run_dir / f"trace_w{w}.json"
         info = build.workers[w]
         names[w] = f"w{w} stage {info['stage']} ({info['backend']})"
-        if not f.exists():
-            continue
-        for lane, name, start, dur, step, *counters in json.loads(f.read_text()):
+        for lane, name, start, dur, step, *counters in traces.get(w, ()):
             events.append(TraceEvent(w, lane, name, start, dur,
                                      counters[0] if counters else {"step": step + 1}))
     Path(path).write_text(json.dumps(chrome_trace(events, names, {"kind": "measured"})))

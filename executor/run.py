@@ -241,6 +241,35 @@ class Records:
         return int(self.store.add(f"{self.ns}/{key}", n))
 
 
+TRACE_PART_BYTES = 48 * 1024        # a trace goes through the store in records under its limit
+
+
+def publish_trace(records: Records, wid: int, trace: list) -> None:
+    """Worker `wid`'s measured trace as records `trace/<w>/<i>` and their count `trace/<w>`,
+    each part under the store's record size."""
+    parts, cur, size = [], [], 0
+    for ev in trace:
+        n = len(json.dumps(ev)) + 2
+        if cur and size + n > TRACE_PART_BYTES:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(ev)
+        size += n
+    if cur:
+        parts.append(cur)
+    for i, part in enumerate(parts):
+        records.put(f"trace/{wid}/{i}", {"events": part})
+    records.put(f"trace/{wid}", {"parts": len(parts)})
+
+
+def collect_trace(records: Records, wid: int, timeout: float) -> list:
+    n = records.get(f"trace/{wid}", f"worker w{wid}'s trace", timeout)["parts"]
+    out: list = []
+    for i in range(int(n)):
+        out += records.get(f"trace/{wid}/{i}", f"worker w{wid}'s trace", timeout)["events"]
+    return out
+
+
 class EventSender:
     """emit(event) for a worker under torchrun: event n of worker w is record `ev/<w>/<n>`."""
 
@@ -370,7 +399,12 @@ def serve(a, console) -> int:
         if plan["resume_from"]:
             load_worker_checkpoint(Path(plan["resume_from"]), worker)
         ckpt = Path(plan["checkpoint_dir"]) if a.checkpoint_every else None
-        worker.run(plan["start"], a.steps, a.checkpoint_every, ckpt, time.perf_counter())
+        # the trace's clock: the coordinator's start, by wall clock (one machine, or hosts
+        # whose clocks are synchronised), on this process's monotonic clock
+        t0 = time.perf_counter() - (time.time() - plan.get("t0_wall", time.time()))
+        worker.run(plan["start"], a.steps, a.checkpoint_every, ckpt, t0)
+        if plan.get("trace"):
+            publish_trace(records, wid, worker.trace)
         comm.barrier(list(range(W)))
         links = [dict(link, src=wid) for link in comm.links()]
         comm.close()
@@ -464,9 +498,6 @@ def launch(a, argv: list[str], out=print) -> int:
     from executor.build import BuildDir
     from executor.checkpoint import build_fingerprint
     run_secret(a.secret_file)                       # refuse before anything starts
-    if a.trace:
-        raise H2Error("--trace is not supported with --nnodes yet (each host would hold part "
-                      "of the timeline)")
     build = BuildDir(a.build)
     hosts = build.hosts
     if a.nnodes != len(hosts):

@@ -143,8 +143,16 @@ def test_two_hosts_equal_single_host(builds, kind, tmp_path):
     hosts = [w["host"] for w in json.loads((b / "manifest.json").read_text())["workers"]]
     assert hosts == [0, 0, 1, 1]
     single = _single_host(b, tmp_path / "single.jsonl")
-    out0, out1, seen = _run_two_hosts(b, tmp_path / "multi.jsonl")
+    trace = tmp_path / "trace.json"
+    out0, out1, seen = _run_two_hosts(b, tmp_path / "multi.jsonl", "--trace", str(trace))
     _assert_equal(_losses(tmp_path / "multi.jsonl"), single)
+    # one timeline from both hosts: every worker's forwards and backwards, on one clock
+    ev = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for w in range(4):
+        names = {e["name"][0] for e in ev if e["pid"] == w and e.get("cat") == "compute"}
+        assert {"F", "B"} <= names, (w, names)
+    starts = [e["ts"] for e in ev]
+    assert 0 <= min(starts) and max(starts) < 600e6, (min(starts), max(starts))
     _assert_links(out0)
     assert all(seen), "no listener seen during the run"
     assert "Traceback" not in out0 + out1
