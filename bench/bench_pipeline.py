@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,14 +40,12 @@ def _free_port() -> int:
 
 
 def pipelining_worker(rank: int, port: int, steps: int, out: str):
-    import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from executor.data import TokenBatches, load_corpus
     from frontend.capture import load_model_file
 
     torch.set_num_threads(1)
@@ -88,25 +85,9 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
 
     sched = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(sub.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    data = TokenBatches(load_corpus(None), MB, SEQ, M, 1, 0)
-    times, losses = [], []
-    for step in range(steps):
-        mbs = data.global_batch(step)
-        tokens = torch.from_numpy(np.concatenate([t for t, _ in mbs]))
-        targets = torch.from_numpy(np.concatenate([y for _, y in mbs]))
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if rank == 0:
-            sched.step(tokens)
-        else:
-            ls = []
-            sched.step(target=targets, losses=ls)
-            losses.append(float(torch.stack(ls).detach().mean()))
-        opt.step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
+    from bench_schedules import pippy_steps
+    times, losses = pippy_steps(sched, list(sub.parameters()), M, steps, first=rank == 0,
+                                last=rank == S - 1)
     if rank == S - 1:
         Path(out).write_text(json.dumps({"times": times, "losses": losses}))
     dist.destroy_process_group()

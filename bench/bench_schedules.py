@@ -64,14 +64,12 @@ def _free_port() -> int:
 
 
 def pipelining_worker(rank: int, port: int, steps: int, out: str, schedule: str, m: int):
-    import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed import pipelining as pp
 
-    from executor.data import TokenBatches, load_corpus
     from frontend.capture import load_model_file
 
     torch.set_num_threads(1)
@@ -107,7 +105,21 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str, schedule: str,
 
     kind = getattr(pp, PIPPY[schedule])
     sched = kind(stages[0] if schedule == "1f1b" else stages, n_microbatches=m, loss_fn=loss_fn)
-    params = [p for sub in subs for p in sub.parameters()]
+    times, losses = pippy_steps(sched, [p for sub in subs for p in sub.parameters()], m, steps,
+                                first=0 in mine, last=n - 1 in mine)
+    if n - 1 in mine:
+        Path(out).write_text(json.dumps({"times": times, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def pippy_steps(sched, params, m: int, steps: int, first: bool, last: bool):
+    """`steps` training steps of a PiPPy schedule on this rank (AdamW as h2x's, the data h2x
+    reads, a barrier around each step): (step seconds, losses on the rank with the loss)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from executor.data import TokenBatches, load_corpus
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     data = TokenBatches(load_corpus(None), MB, SEQ, m, 1, 0)
     times, losses = [], []
@@ -118,8 +130,8 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str, schedule: str,
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        args = (tokens,) if 0 in mine else ()
-        if n - 1 in mine:
+        args = (tokens,) if first else ()
+        if last:
             ls = []
             sched.step(*args, target=targets, losses=ls)
             losses.append(float(torch.stack(ls).detach().mean()))
@@ -128,9 +140,7 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str, schedule: str,
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    if n - 1 in mine:
-        Path(out).write_text(json.dumps({"times": times, "losses": losses}))
-    dist.destroy_process_group()
+    return times, losses
 
 
 def run_pipelining(steps: int, schedule: str, m: int) -> dict:
