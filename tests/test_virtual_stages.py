@@ -225,3 +225,25 @@ def test_h2c_plan_writes_a_virtual_stage_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     p = parse_plan(out.read_text())
     assert p.schedule == "zbv" and p.virtual == 2 and p.num_stages == 2 * p.num_physical
+
+
+def test_tied_embedding_and_head_across_chunks(tmp_path):
+    """tie=true: the head's copy of the embedding is exchanged between chunks: on another
+    worker (interleaved) or on the same one (ZB-V, which puts the first and last chunk on w0)."""
+    tied = {**SMALL, "tie": True}
+    losses = {}
+    for sch, stages in (("1f1b", [("cpu-torch", "embed, 0..2"), ("cpu-numpy", "3..5, head")]),
+                        ("interleaved", zip(MIXED["interleaved"], FOUR)),
+                        ("zbv", zip(MIXED["zbv"], FOUR))):
+        plan = tmp_path / f"{sch}.h2plan"
+        plan.write_text(_plan_text(sch, stages))
+        out = tmp_path / sch
+        compile_model(LLAMA, model_args=tied, plan_arg=str(plan), out_dir=str(out),
+                      log=lambda *a: None)
+        if sch == "zbv":
+            text = (out / "streams/w0.txt").read_text()
+            assert "send_tied_grads -> w0 c1" in text and "recv_tied_grads <- w0 c0" in text
+        losses[sch] = _losses(out, 6)
+    for sch in ("interleaved", "zbv"):
+        rel = max(abs(a - w) / abs(w) for a, w in zip(losses[sch], losses["1f1b"]))
+        assert rel <= 1e-6, (sch, rel)
