@@ -378,8 +378,8 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     program_comm = program_comm or {}
     times = [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
              for j in range(S)]
+    ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
     if streams is None:
-        ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
         streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
                                 ties=ties, tp=None if plan.is_virtual else lay.tps,
                                 virtual=plan.virtual,
@@ -405,8 +405,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
         r = lay.where(w)[0]
         vs = groups[stage_of[w]]
         return Chunks(vs, [times[v] for v in vs], [fr.get(v, 0.5) for v in vs],
-                      {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g},
-                      tied_stage_groups(costs.ties, [list(x.layers) for x in plan.stages]))
+                      {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g}, ties)
 
     def run_once(stretch: dict, computes: list | None):
         tl = Timeline(record=record, stretch=stretch, computes=computes)
