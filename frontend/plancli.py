@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens per sequence (default: the model's maximum)")
     ap.add_argument("--schedule", default="1f1b",
                     choices=("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv", "auto"),
-                    help="pipeline schedule (auto: search 1f1b and gpipe); interleaved, izb and "
-                    "zbv cut the searched pipeline's workers into 2 chunks each")
+                    help="pipeline schedule (auto: search 1f1b and gpipe, then keep the fastest "
+                    "of that pipeline under every schedule h2x runs); interleaved, izb and zbv "
+                    "cut the searched pipeline's workers into 2 chunks each")
     ap.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after SECONDS and take the best plan found so far")
     ap.add_argument("-o", "--output", help="write the plan as .h2plan text to FILE")
@@ -247,6 +248,16 @@ def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
         plan = virtualize(cand.plan, costs, a.schedule)
         warnings += validate_plan(plan, costs, cluster)
         cand = Candidate(plan, float("nan"), cand.kind, sim=simulate(costs, plan, cluster, cal))
+    elif inp.given is None and a.schedule == "auto":
+        # the searched pipeline (1f1b or gpipe) under every other schedule h2x runs, by full
+        # simulation among those that fit, as h2c compile --schedule auto chooses
+        from h2ir.planner.search import SCHEDULE_CHOICES, choose_schedule
+        first = cand.plan.schedule
+        plan, _ = choose_schedule(cand.plan, costs, cluster, cal,
+                                  (first,) + tuple(x for x in SCHEDULE_CHOICES if x != first))
+        if plan is not cand.plan:
+            cand = Candidate(plan, float("nan"), cand.kind,
+                             sim=simulate(costs, plan, cluster, cal))
     return _PlanChoice(cand, uniform, warnings, result, time.perf_counter() - t0)
 
 

@@ -247,3 +247,19 @@ def test_tied_embedding_and_head_across_chunks(tmp_path):
     for sch in ("interleaved", "zbv"):
         rel = max(abs(a - w) / abs(w) for a, w in zip(losses[sch], losses["1f1b"]))
         assert rel <= 1e-6, (sch, rel)
+
+
+def test_h2c_plan_schedule_auto_keeps_the_fastest_schedule(tmp_path):
+    from conftest import run_cli
+    from h2ir.planner.search import SCHEDULE_CHOICES
+    cl = tmp_path / "mix.toml"
+    cl.write_text('name = "mix"\ndtype = "fp16"\n'
+                  '[[nodes]]\nchip = "A100-80"\ncount = 1\nchips_per_node = 2\n'
+                  'intra_bw_gbs = 300\nnic_gbps = 25\n'
+                  '[[nodes]]\nchip = "V100-32"\ncount = 1\nchips_per_node = 2\n'
+                  'intra_bw_gbs = 150\nnic_gbps = 25\n')
+    out = tmp_path / "p.h2plan"
+    r = run_cli("h2c", "plan", LLAMA, "--cluster", str(cl), "--schedule", "auto",
+                "--no-speedup", "--global-batch", "32", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert parse_plan(out.read_text()).schedule in SCHEDULE_CHOICES + ("gpipe",)
