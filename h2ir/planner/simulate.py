@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
@@ -422,17 +424,15 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     flush = max(s.last_bwd_end for s in sims)
     busy_total = sum(s.busy for s in sims)
     bubble = 1.0 - busy_total / (len(sims) * flush) if flush > 0 else 0.0
-    mem = []
-    if plan.is_virtual:
-        peak_of = {}
-        for sw in sims:
-            for c, v in enumerate(groups[stage_of[sw.wid]]):
-                peak_of[v] = max(peak_of.get(v, 0), sw.chunk_peak.get(c, 0))
-        for j in range(S):
-            mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak_of.get(j, 0)))
-    for j in range(S if not plan.is_virtual else 0):
-        peak = max((s.inflight_peak for s in sims if stage_of[s.wid] == j), default=0)
-        mem.append(stage_memory(rm.costs, plan, cluster, j, inflight=peak))
+    peak_of: dict[int, int] = {}        # stage -> most micro-batches in flight on it
+    for sw in sims:
+        if plan.is_virtual:             # each chunk is a stage
+            pairs = [(v, sw.chunk_peak.get(c, 0)) for c, v in enumerate(groups[stage_of[sw.wid]])]
+        else:
+            pairs = [(stage_of[sw.wid], sw.inflight_peak)]
+        for j, n in pairs:
+            peak_of[j] = max(peak_of.get(j, 0), n)
+    mem = [stage_memory(rm.costs, plan, cluster, j, inflight=peak_of.get(j, 0)) for j in range(S)]
     return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
                      stage_memory=mem, inflight_peak={s.wid: s.inflight_peak for s in sims},
                      busy_s={s.wid: s.busy for s in sims},
@@ -466,7 +466,6 @@ def _shared_cores_fixed_point(run_once, cores: int, copies: float):
     times its one-core duration. The stretch of every compute is found by iteration — simulate,
     measure each compute's overlap, stretch it, simulate again — damped, until the step time
     moves by less than 0.1 %."""
-    import numpy as np
     stretch: dict = {}
     step = None
     for _ in range(SHARING_ROUNDS):

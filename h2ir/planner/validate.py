@@ -19,7 +19,8 @@ from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX
 from h2ir.planner.resource import ep_groups, stage_memory
 from h2ir.planner.search import divisors
 from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
-from h2ir.schedule.streams import WorkerLayout, chunk_stages, worker_hosts
+from h2ir.planner.simulate import plan_chunks
+from h2ir.schedule.streams import WorkerLayout, worker_hosts
 
 # how many of a stage's biggest memory consumers an out-of-memory error lists
 _TOP_CONSUMERS = 4
@@ -140,7 +141,7 @@ class _Validator:
             if s.tp != 1 or p.stage_ep(i) != 1:
                 self.fail(f"stage {i}: schedule {p.schedule} runs chunks with tp=1 and no "
                           "expert parallelism", self._stage_key(i, "tp"))
-        for w, chunks in enumerate(chunk_stages(p.schedule, p.num_physical, p.virtual)):
+        for w, chunks in enumerate(plan_chunks(p)):
             first = p.stages[chunks[0]]
             for j in chunks[1:]:
                 if (p.stages[j].chip, p.stages[j].chips) != (first.chip, first.chips):
@@ -157,9 +158,7 @@ class _Validator:
 
     def chip_totals(self):
         used: dict[str, int] = {}
-        leaders = {cs[0] for cs in chunk_stages(self.plan.schedule, self.plan.num_physical,
-                                                 self.plan.virtual)} \
-            if self.plan.is_virtual else set(range(len(self.plan.stages)))
+        leaders = {cs[0] for cs in plan_chunks(self.plan)}
         for i, s in enumerate(self.plan.stages):
             if i not in leaders:         # a later chunk of a worker counted with its first
                 continue
@@ -277,7 +276,7 @@ class _Validator:
     def memory(self):
         p = self.plan
         if p.is_virtual:        # a worker's chunks share its device
-            for w, chunks in enumerate(chunk_stages(p.schedule, p.num_physical, p.virtual)):
+            for w, chunks in enumerate(plan_chunks(p)):
                 mems = [stage_memory(self.costs, p, self.cluster, j) for j in chunks]
                 total, cap = sum(m.total for m in mems), mems[0].capacity
                 if total > cap:
