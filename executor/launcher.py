@@ -31,7 +31,8 @@ from executor.rundir import RunLock, run_temp_dir, writable_dir, writable_file
 from executor.worker import STATUS_FIELDS
 from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import H2Error, InternalError
-from h2ir.planner.simulate import SimResult, program_comm_volumes, simulate_build
+from h2ir.planner.simulate import (SimResult, manifest_b_fractions, program_comm_volumes,
+                                   simulate_build)
 from h2ir.plans.dsl import load_plan
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
@@ -106,9 +107,8 @@ def predicted_step_time(build: BuildDir) -> SimResult:
         if any(w["stage"] == s and w.get("tp_group") for w in build.workers):
             art = build.stage(s)
             comm[s] = program_comm_volumes(art.fwd, art.bwd)
-    fractions = {s: st["zero_bubble"]["b_flops_fraction"]
-                 for s, st in enumerate(build.manifest["stages"]) if st.get("zero_bubble")}
-    return simulate_build(build.model_costs(), plan, cluster, cal, streams, comm, fractions)
+    return simulate_build(build.model_costs(), plan, cluster, cal, streams, comm,
+                          manifest_b_fractions(build.manifest["stages"]))
 
 
 @dataclass

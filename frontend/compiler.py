@@ -43,10 +43,11 @@ from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
                          int_flag)
 from h2ir.planner import search as heteroauto
-from h2ir.planner.simulate import (SimResult, plan_chunks, plan_layout, program_comm_volumes,
-                                   simulate_build)
+from h2ir.planner.simulate import (SimResult, chunk_durations, manifest_b_fractions, plan_chunks,
+                                   plan_layout, program_comm_volumes, simulate_build)
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
+from h2ir.plans.plan import SCHEDULES
 from h2ir.schedule.grid import format_grid
 from h2ir.schedule.streams import (SPLIT_SCHEDULES, build_streams, format_stream,
                                    tied_stage_groups, worker_hosts)
@@ -411,11 +412,9 @@ def _durations(plan, costs, cluster, cal, stages_meta) -> dict | None:
     if plan.schedule not in ("izb", "zbv"):
         return None
     from h2ir.planner.resource import ResourceModel
-    from h2ir.planner.simulate import chunk_durations
     rm = ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, cal)
-    fr = {i: m["zero_bubble"]["b_flops_fraction"] for i, m in enumerate(stages_meta)
-          if m.get("zero_bubble")}
-    return chunk_durations([rm.stage_times(plan, j) for j in range(plan.num_stages)], fr)
+    return chunk_durations([rm.stage_times(plan, j) for j in range(plan.num_stages)],
+                           manifest_b_fractions(stages_meta))
 
 
 def _chunked_workers(out: Path, plan, streams, stages_meta, cluster) -> list[dict]:
@@ -502,8 +501,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     streams, workers = _write_streams(out, plan, costs, stages_meta, cluster, cal)
     sim = simulate_build(costs, plan, cluster, cal, streams,
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
-                         {i: m["zero_bubble"]["b_flops_fraction"] for i, m in enumerate(stages_meta)
-                          if m.get("zero_bubble")})
+                         manifest_b_fractions(stages_meta))
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
@@ -627,8 +625,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cluster", default="local", help="cluster TOML or built-in name (default: local)")
     ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
     ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
-    ap.add_argument("--schedule", default="1f1b",
-                    choices=["1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv", "auto"],
+    ap.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, "auto"],
                     help="pipeline schedule; zb1: ZB-H1 zero-bubble (backward split in B and W); "
                     "interleaved: interleaved 1F1B (2 chunks per worker); izb: interleaved zero "
                     "bubble; zbv: V-shape zero bubble; auto: the fastest of 1f1b, zb1, "

@@ -445,6 +445,13 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                      stage_of=stage_of, chunk_groups=groups if plan.is_virtual else None)
 
 
+def manifest_b_fractions(stages: list[dict]) -> dict:
+    """stage -> its split backward's B share of FLOPs, from a build manifest's stage entries
+    (those of a zero-bubble build carry "zero_bubble"): `simulate(b_fractions=)`."""
+    return {i: st["zero_bubble"]["b_flops_fraction"] for i, st in enumerate(stages)
+            if st.get("zero_bubble")}
+
+
 def chunk_durations(times: list[StageTimes], b_fractions: dict) -> dict:
     """Per stage, (forward, input-gradient B, weight-gradient W) seconds of one micro-batch:
     what the zero-bubble list scheduler orders a virtual-stage pipeline by
