@@ -97,11 +97,7 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
         plan.moe = None                 # a dense-form MoE: every expert inside its stage
         for st in plan.stages:
             st.ep = None
-    if wanted == "auto":                # HeteroAuto's pipeline under each schedule h2x runs
-        plan, _ = heteroauto.choose_schedule(plan, costs, cluster, calibration, log=log)
-    elif wanted in heteroauto.VIRTUAL_BASE:
-        plan = heteroauto.virtualize(plan, costs, wanted)
-    return plan
+    return heteroauto.apply_schedule(plan, costs, cluster, wanted, calibration, log)
 
 
 def cluster_calibration(cluster):

@@ -27,6 +27,7 @@ from backends.registry import measured_backends
 from h2ir.costs import ModelCosts
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, H2Error, int_flag,
                          read_user_file, too_deep)
+from h2ir.plans.plan import SCHEDULES
 
 if TYPE_CHECKING:
     from h2ir.clusters.cluster import Cluster
@@ -58,8 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                     metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
     ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
                     help="tokens per sequence (default: the model's maximum)")
-    ap.add_argument("--schedule", default="1f1b",
-                    choices=("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv", "auto"),
+    ap.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
                     help="pipeline schedule (auto: search 1f1b and gpipe, then keep the fastest "
                     "of that pipeline under every schedule h2x runs); interleaved, izb and zbv "
                     "cut the searched pipeline's workers into 2 chunks each")
@@ -216,7 +216,8 @@ def _plan_inputs(a) -> _PlanInputs:
 
 def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
     """The plan file as given (validated), the uniform split, or the HeteroAuto search; timed."""
-    from h2ir.planner.search import VIRTUAL_BASE, Candidate, search, uniform_plan, virtualize
+    from h2ir.planner.search import (VIRTUAL_BASE, Candidate, apply_schedule, search,
+                                     uniform_plan)
     from h2ir.planner.simulate import simulate
     costs, cluster, cal = inp.costs, inp.cluster, inp.calibration
     schedule = VIRTUAL_BASE.get(a.schedule, a.schedule)   # virtual ones: searched as their base
@@ -243,19 +244,11 @@ def _choose_plan(a, inp: _PlanInputs) -> _PlanChoice:
                      f"found so far, not the search's optimum"] if result.timed_out else [])
         if a.trace:        # the search times one tp rank per stage; the trace shows every rank
             cand.sim = simulate(costs, cand.plan, cluster, cal)
-    if inp.given is None and a.schedule in VIRTUAL_BASE:
-        from h2ir.planner.validate import validate_plan
-        plan = virtualize(cand.plan, costs, a.schedule)
-        warnings += validate_plan(plan, costs, cluster)
-        cand = Candidate(plan, float("nan"), cand.kind, sim=simulate(costs, plan, cluster, cal))
-    elif inp.given is None and a.schedule == "auto":
-        # the searched pipeline (1f1b or gpipe) under every other schedule h2x runs, by full
-        # simulation among those that fit, as h2c compile --schedule auto chooses
-        from h2ir.planner.search import SCHEDULE_CHOICES, choose_schedule
-        first = cand.plan.schedule
-        plan, _ = choose_schedule(cand.plan, costs, cluster, cal,
-                                  (first,) + tuple(x for x in SCHEDULE_CHOICES if x != first))
+    if inp.given is None:       # auto, virtual stages: as h2c compile --schedule applies them
+        plan = apply_schedule(cand.plan, costs, cluster, a.schedule, cal)
         if plan is not cand.plan:
+            from h2ir.planner.validate import validate_plan
+            warnings += validate_plan(plan, costs, cluster)
             cand = Candidate(plan, float("nan"), cand.kind,
                              sim=simulate(costs, plan, cluster, cal))
     return _PlanChoice(cand, uniform, warnings, result, time.perf_counter() - t0)

@@ -1076,6 +1076,22 @@ def choose_schedule(plan: Plan, costs: ModelCosts, cluster: Cluster, calibration
     return best[1], table
 
 
+def apply_schedule(plan: Plan, costs: ModelCosts, cluster: Cluster, schedule: str,
+                   calibration=None, log=None) -> Plan:
+    """A searched plan under the schedule the user asked for: 'auto' is the fastest that fits
+    of the plan's pipeline under every executed schedule (`choose_schedule`, the plan's own
+    first), a virtual-stage schedule cuts it into chunks (`virtualize`), anything else leaves
+    it as searched."""
+    if schedule == "auto":
+        first = plan.schedule
+        return choose_schedule(plan, costs, cluster, calibration,
+                               (first,) + tuple(x for x in SCHEDULE_CHOICES if x != first),
+                               log=log)[0]
+    if schedule in VIRTUAL_BASE:
+        return virtualize(plan, costs, schedule)
+    return plan
+
+
 def uniform_plan(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int | None = None,
                  micro_batch: int | None = None, schedule: str = "1f1b", calibration=None,
                  max_tp: int | None = None, max_ep: int | None = None) -> Candidate:
