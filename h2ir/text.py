@@ -142,6 +142,11 @@ class _Build(Transformer):
     def kwarg(self, t):
         return ("kw", str(t[0]), t[1])
 
+    def posarg(self, t):
+        # a positional literal, tagged: a literal `none` (an absent optional input, such as a
+        # layer norm without weight) must not read as lark's placeholder for an empty arg list
+        return ("lit", t[0])
+
 
 def parse_graph(text: str, file: str = "<string>") -> Graph:
     """Parse h2ir text. Errors are H2Error with file, line, column and what was expected."""
@@ -232,7 +237,7 @@ class _Resolve:
             elif isinstance(a, tuple) and a[0] == "kw":
                 attrs[a[1]] = a[2]
             else:
-                inputs.append(a)
+                inputs.append(a[1])
         outputs = [self.define(d) for d in decls]
         n = Node(op, inputs, attrs, outputs)
         try:

@@ -76,6 +76,18 @@ def test_literals_round_trip():
     assert print_graph(parse_graph(text)).count("-1e-05") == 1
 
 
+def test_an_absent_optional_input_round_trips():
+    """`none` as an input (a layer norm without weight and bias) is an input, not lark's
+    placeholder for an empty argument list: it prints, parses and type-checks back."""
+    text = ("h2ir g\ninput %x: f32[2,4]\n\nlayer l kind=norm\n"
+            "  %y: f32[2,4], %m: f32[2,1], %r: f32[2,1] = layer_norm(%x, none, none)\n"
+            "end\noutput %y\n")
+    g = parse_graph(text)
+    (n,) = list(g.nodes())
+    assert n.inputs[1:] == [None, None]
+    assert print_graph(parse_graph(print_graph(g))) == print_graph(g)
+
+
 def test_a_literal_where_a_value_belongs_is_a_located_error(tiny_graph):
     from h2ir.errors import H2Error
     from h2ir.text import parse_graph, print_graph
