@@ -287,7 +287,8 @@ def _unary_cases(draw: str):
 UNARY_DRAW = {"neg": "normal", "exp": "normal", "log": "positive", "sqrt": "positive",
               "rsqrt": "positive", "tanh": "wide", "sigmoid": "wide", "relu": "normal",
               "silu": "wide", "abs": "normal", "reciprocal": "nonzero",
-              "sin": "wide", "cos": "wide", "logical_not": "bool", "copy": "normal"}
+              "sin": "wide", "cos": "wide", "logical_not": "bool", "copy": "normal",
+              "log1p": "positive", "expm1": "normal"}
 
 SPECS: dict[str, Callable[[Draw], list[Case]]] = {n: _unary_cases(d) for n, d in UNARY_DRAW.items()}
 SPECS.update({
@@ -464,7 +465,7 @@ REFERENCE: dict[str, Callable] = {
     "gelu": lambda x, approximate: F.gelu(x, approximate=approximate),
     "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
     "cos": torch.cos, "logical_not": torch.logical_not, "copy": torch.clone,
-    "bitwise_not": torch.bitwise_not,
+    "bitwise_not": torch.bitwise_not, "log1p": torch.log1p, "expm1": torch.expm1,
     "cast": lambda x, dtype: x.to(_ref_dtype(dtype)),
     "pow": lambda x, exponent: torch.pow(x, exponent),
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,

@@ -107,13 +107,39 @@ def _matmul(em, a, b):
         lead = _shape(a)[:-1]
         y = em("mm", em("reshape", a, shape=[-1, _shape(a)[-1]]), b)
         return em("reshape", y, shape=lead + [_shape(b)[-1]])
-    if a.type.rank == b.type.rank and a.type.rank >= 3 and _shape(a)[:-2] == _shape(b)[:-2]:
-        lead = _shape(a)[:-2]
-        a3 = em("reshape", a, shape=[-1] + _shape(a)[-2:])
-        b3 = em("reshape", b, shape=[-1] + _shape(b)[-2:])
-        y = em("bmm", a3, b3)
-        return em("reshape", y, shape=lead + [_shape(a)[-2], _shape(b)[-1]])
-    raise Unsupported(f"matmul of {a.type} and {b.type} (broadcast batch dims) is not lowered yet")
+    if a.type.rank < 2 or b.type.rank < 2:
+        raise Unsupported(f"matmul of {a.type} and {b.type} (a vector operand) is not lowered yet")
+    # batch dims broadcast (one key head against several query heads, ...): expand both to the
+    # common batch shape, then one bmm
+    ra, rb = a.type.rank - 2, b.type.rank - 2
+    n = max(ra, rb)
+    ba = [1] * (n - ra) + _shape(a)[:-2]
+    bb = [1] * (n - rb) + _shape(b)[:-2]
+    if any(x != y and 1 not in (x, y) for x, y in zip(ba, bb)):
+        raise Unsupported(f"matmul of {a.type} and {b.type}: batch dims do not broadcast")
+    lead = [max(x, y) for x, y in zip(ba, bb)]
+
+    def batched(v, vb):
+        if vb != lead:
+            if len(vb) != v.type.rank - 2:
+                v = em("reshape", v, shape=vb + _shape(v)[-2:])
+            v = em("expand", v, shape=lead + _shape(v)[-2:])
+        return em("reshape", v, shape=[-1] + _shape(v)[-2:])
+    y = em("bmm", batched(a, ba), batched(b, bb))
+    return em("reshape", y, shape=lead + [_shape(a)[-2], _shape(b)[-1]])
+
+
+def _copy_into(em, dst, src):
+    """aten.copy (functional): `src` cast to `dst`'s dtype and broadcast to its shape."""
+    if not isinstance(src, Value):
+        return em("full", shape=_shape(dst), value=src, dtype=dst.type.dtype)
+    if src.type.dtype != dst.type.dtype:
+        src = em("cast", src, dtype=dst.type.dtype)
+    if _shape(src) != _shape(dst):
+        if src.type.rank < dst.type.rank:
+            src = em("reshape", src, shape=[1] * (dst.type.rank - src.type.rank) + _shape(src))
+        src = em("expand", src, shape=_shape(dst))
+    return em("copy", src)
 
 
 def _split(em, x, size, dim=0):
@@ -257,7 +283,9 @@ def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, 
 
 
 def _sdpa(em, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if q.type.shape[1] != k.type.shape[1] and not enable_gqa:
+    # one key/value head broadcasts over the query heads (multi-query attention, as Falcon
+    # calls it): the same math as grouped-query attention with one group
+    if q.type.shape[1] != k.type.shape[1] and not enable_gqa and k.type.shape[1] != 1:
         raise Unsupported(f"attention with {q.type.shape[1]} query and {k.type.shape[1]} key "
                           "heads needs enable_gqa=True")
     return _attention_fwd(em, q, k, v, dropout_p, is_causal, attn_mask, scale)[0]
@@ -529,6 +557,7 @@ ATEN: dict = {
     aten.split_with_sizes.default: _split_sizes,
     aten.chunk.default: _chunk,
     aten.clone.default: _alias,
+    aten.copy.default: lambda em, dst, src, non_blocking=False: _copy_into(em, dst, src),
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.contiguous.default: _alias,
@@ -551,7 +580,7 @@ ATEN: dict = {
     aten.floor_divide.Scalar: _binary("floor_divide"),
     aten.div.Tensor_mode: lambda em, a, b, rounding_mode=None: _div_mode(em, a, b, rounding_mode),
     aten.pow.Scalar: lambda em, base, x: em("power", base, x),
-    aten.pow.Tensor_Tensor: lambda em, a, b: em("power", a, b),
+    aten.pow.Tensor_Tensor: lambda em, a, b: em("power", *_promote(em, a, b)),
     aten.where.ScalarSelf: lambda em, c, a, b: em("where", c, a, b),
     aten.where.Scalar: _where_scalars,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
@@ -694,7 +723,7 @@ for _assert in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar"):
         for _ov in getattr(aten, _assert).overloads():
             ATEN[getattr(getattr(aten, _assert), _ov)] = lambda em, *a, **k: None
 for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "abs",
-              "reciprocal", "sin", "cos"):
+              "reciprocal", "sin", "cos", "log1p", "expm1"):
     ATEN[getattr(aten, _name).default] = _unary(_name)
 
 
@@ -834,23 +863,59 @@ class _Lowering:
             return
         layer = self.layer_for(node)
         self.claim_params(node, layer)
-        fn = self.lowering_of(node)
         self.em.hint = self.prefix + node.name
         self.em.nodes = layer.nodes
         self.em.layer = layer.name
+        res, fn = self.lower_call(node, node, args, kwargs)
+        self.env[node.name] = res
+        if getattr(fn, "inplace", False) and isinstance(node.args[0], torch.fx.Node):
+            self.env[node.args[0].name] = res       # later readers of the mutated input
+
+    def lower_call(self, node: torch.fx.Node, origin: torch.fx.Node, args, kwargs, depth=0):
+        """(h2ir result, lowering) of one ATen call whose inputs are already h2ir `args`.
+        `origin` is the model's node it came from (for messages); an op with no entry in ATEN
+        is lowered through its own ATen decomposition (`_decompose`)."""
+        fn = ATEN.get(node.target) or ATEN.get(op_name(node.target)) or _aten_twin(node.target)
+        if fn is None:
+            sub = _decompose(node) if depth < MAX_DECOMPOSE_DEPTH else None
+            if sub is None:
+                self.missing(node, origin)
+            return self.lower_subgraph(sub, origin, args, kwargs, depth + 1), None
         try:
             if getattr(fn, "wants_out", False):
                 res = fn(self.em, *args, _out=node.meta["val"], **kwargs)
             else:
                 res = fn(self.em, *args, **kwargs)
         except Unsupported as e:
-            src = source_info(node)
+            src = source_info(origin)
             raise H2Error(f"cannot lower {op_name(node.target)} (from module '{src.module}'): {e}",
                           self.file, hint=f"at {src.line}" if src.line else None) from None
         _check_against_trace(node, res, self.file)
-        self.env[node.name] = res
-        if getattr(fn, "inplace", False) and isinstance(node.args[0], torch.fx.Node):
-            self.env[node.args[0].name] = res       # later readers of the mutated input
+        return res, fn
+
+    def lower_subgraph(self, sub, origin: torch.fx.Node, args, kwargs, depth: int):
+        """Lower the decomposition `sub` of one call (`_decompose`: placeholders are the call's
+        tensor arguments in order) into the current layer; its result in the call's structure."""
+        gm, positions = sub
+        flat, _ = torch.utils._pytree.tree_flatten((list(args), dict(kwargs)))
+        env: dict[str, object] = {}
+        ins = iter(positions)
+        out = None
+        for sn in gm.graph.nodes:
+            if sn.op == "placeholder":
+                env[sn.name] = flat[next(ins)]
+            elif sn.op == "call_function":
+                a = torch.fx.node.map_arg(sn.args, lambda n: env[n.name])
+                k = torch.fx.node.map_arg(sn.kwargs, lambda n: env[n.name])
+                if sn.target is operator.getitem:
+                    env[sn.name] = a[0][a[1]]
+                else:
+                    env[sn.name] = self.lower_call(sn, origin, a, k, depth)[0]
+            elif sn.op == "output":
+                out = torch.fx.node.map_arg(sn.args[0], lambda n: env[n.name])
+            else:                           # a tensor constant the decomposition made
+                self.missing(origin, origin)
+        return tuple(out) if isinstance(out, list) else out
 
     def layer_for(self, node: torch.fx.Node) -> Layer:
         lname, kind, lattrs = self.layer_of(node)
@@ -873,18 +938,70 @@ class _Lowering:
                 elif owner != layer.name and v.name not in layer.attrs.get("tied", []):
                     layer.attrs["tied"] = list(layer.attrs.get("tied", [])) + [v.name]
 
-    def lowering_of(self, node: torch.fx.Node) -> Callable:
-        fn = ATEN.get(node.target)
-        if fn is None:                      # custom ops are keyed by name (see ATEN)
-            fn = ATEN.get(op_name(node.target))
-        if fn is None:
-            src = source_info(node)
-            raise H2Error(
-                f"op {op_name(node.target)} (from module '{src.module}') is not in the h2ir op set",
-                self.file, hint=(f"at {src.line}\n  " if src.line else "") +
-                "add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) "
-                "or rewrite the model with supported ops")
-        return fn
+    def missing(self, node: torch.fx.Node, origin: torch.fx.Node):
+        """Raise: `node`'s op has no lowering (`origin`: the model's call it came from)."""
+        src = source_info(origin)
+        via = "" if node is origin else f"in the decomposition of {op_name(origin.target)}\n  "
+        raise H2Error(
+            f"op {op_name(node.target)} (from module '{src.module}') is not in the h2ir op set",
+            self.file, hint=(f"at {src.line}\n  " if src.line else "") + via +
+            "add a lowering to frontend/lower.py ATEN (and the op to h2ir/opset.py) "
+            "or rewrite the model with supported ops")
+
+
+MAX_DECOMPOSE_DEPTH = 4
+
+
+def _aten_twin(op):
+    """The lowering of the ATen op a primitive stands for (prims::log1p -> aten::log1p): some
+    of torch._decomp's decompositions are written in prims, with the same semantics."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "prims":
+        return None
+    twin = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
+    return ATEN.get(getattr(twin, "default", None)) if twin is not None else None
+
+
+def _decompose(node: torch.fx.Node):
+    """(GraphModule, positions) of an ATen call that has no lowering of its own, traced on the
+    meta device through the op's own decomposition: its CompositeImplicitAutograd kernel
+    (`Tensor.T`, `swapaxes`, ...) or the one torch._decomp registers for it (`stack`, ...),
+    which is exact (the same math in the ops it is built from). `positions`: where, in the
+    flattened (args, kwargs) of the call, each placeholder's tensor sits. None when the op has
+    neither, or its inputs are not all known tensors and plain values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._decomp import get_decompositions
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        impl = op.decompose
+    else:
+        impl = get_decompositions([op]).get(op)
+        if impl is None:
+            return None
+    flat, spec = torch.utils._pytree.tree_flatten((list(node.args), dict(node.kwargs)))
+    positions, metas = [], []
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                return None
+            positions.append(i)
+            metas.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
+
+    def run(*tensors):
+        f = list(flat)
+        for i, t in zip(positions, tensors):
+            f[i] = t
+        a, k = torch.utils._pytree.tree_unflatten(f, spec)
+        return impl(*a, **k)
+    try:
+        gm = make_fx(run)(*metas)
+    except Exception:               # the decomposition does not trace here: report the op
+        return None
+    if any(n.op == "call_function" and n.target is node.target for n in gm.graph.nodes):
+        return None                 # it did not decompose
+    return gm, positions
 
 
 def _check_against_trace(node, res, file):

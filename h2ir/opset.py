@@ -513,7 +513,7 @@ for _n, _s, _d in [
     ("neg", (), "-x"), ("exp", ("o0",), "e^x"), ("log", ("i0",), "ln x"), ("sqrt", ("o0",), "sqrt x"),
     ("rsqrt", ("o0",), "1/sqrt x"), ("tanh", ("o0",), "tanh x"), ("sigmoid", ("o0",), "1/(1+e^-x)"),
     ("relu", ("o0",), "max(x, 0)"), ("silu", ("i0",), "x * sigmoid(x)"),
-    ("abs", ("i0",), "|x|"),
+    ("abs", ("i0",), "|x|"), ("log1p", ("i0",), "ln(1 + x)"), ("expm1", ("o0",), "e^x - 1"),
     ("reciprocal", ("o0",), "1/x"), ("sin", ("i0",), "sin x"), ("cos", ("i0",), "cos x"),
     ("logical_not", (), "not x"), ("bitwise_not", (), "~x (integers and bool)"),
 ]:

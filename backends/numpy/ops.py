@@ -145,6 +145,7 @@ UNARY = {
     "tanh": np.tanh, "sigmoid": sigmoid, "relu": relu, "silu": silu,
     "abs": np.abs, "reciprocal": reciprocal, "sin": np.sin, "cos": np.cos,
     "logical_not": np.logical_not, "bitwise_not": np.invert, "copy": np.copy,
+    "log1p": np.log1p, "expm1": np.expm1,
 }
 
 # NumPy >= 2 treats Python scalars as weak (NEP 50): f32 array + 1e-5 stays f32, as in torch.

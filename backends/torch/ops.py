@@ -61,7 +61,7 @@ UNARY = {
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu,
     "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
     "cos": torch.cos, "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not,
-    "copy": torch.clone,
+    "copy": torch.clone, "log1p": torch.log1p, "expm1": torch.expm1,
 }
 
 # Python operators accept a scalar on either side and promote it as torch promotes scalars.
