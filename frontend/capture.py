@@ -24,6 +24,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import io
+import logging
 import operator
 import os
 import re
@@ -638,8 +639,21 @@ def _no_kv_cache(model: nn.Module):
             c.use_cache = True
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """torch's fake-tensor layer logs every failing meta kernel with its traceback before the
+    error reaches us; the error itself is what the user is told (`_capture_error`)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _trace_aten(model: nn.Module, example: tuple):
-    with _no_kv_cache(model):
+    with _no_kv_cache(model), _quiet_fake_tensors():
         return _trace_aten_paths(model, example)
 
 
@@ -713,6 +727,29 @@ class Capture:
     layer_of: "LayerGrouper"
     graph: Graph
     how: str                # 'symbolic_trace' or 'torch.export'
+
+    def constants(self, model: nn.Module, names) -> dict:
+        """{name: tensor} for the programs' constant inputs `names`, from `model` (built for
+        real): its buffers, and the tensors torch.export lifted out of the forward (the index
+        tensor of `x[..., [-2], :]`, a `torch.tensor(...)` in the code). The capture ran on the
+        meta device, where those have no values, so when one is asked for, the real model is
+        exported once more on the CPU to read them."""
+        out = {k: v for k, v in model.named_buffers(remove_duplicate=False) if k in names}
+        missing = [k for k in names if k not in out]
+        if missing and self.how == "torch.export":
+            g = self.graph.attrs
+            example = self.model_file.example_inputs(int(g.get("micro_batch", 1)),
+                                                     int(g.get("seq_len", 1)))
+            with torch.no_grad():
+                ep = torch.export.export(model, tuple(example), strict=False)
+            out.update({k: v for k, v in ep.constants.items()
+                        if k in missing and isinstance(v, torch.Tensor)})
+        missing = [k for k in names if k not in out]
+        if missing:
+            raise H2Error(f"the model's constant {missing[0]} has no value: it is neither a "
+                          "buffer nor a tensor torch.export lifts from the forward",
+                          self.model_file.path)
+        return out
 
     def locate(self, e: H2Error) -> H2Error:
         """An error met lowering the stage programs (AOTAutograd's forward and backward graphs

@@ -523,7 +523,8 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     torch.manual_seed(seed)
     model = cap.model_file.build(model_args)
     params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+    buffers = cap.constants(model, {k for p in progs for k in p.consts
+                                    if not k.endswith((".h2_placement", ".h2_slot"))})
     for p in progs:
         for path, e in (p.moe or {}).get("experts", {}).items():   # the placement constants
             order = np.array(e["placement"], dtype=np.int64)

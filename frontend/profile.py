@@ -92,7 +92,8 @@ def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> l
     torch.manual_seed(seed)
     model = cap.model_file.build(model_args)
     params = {k: v.detach().numpy() for k, v in model.named_parameters(remove_duplicate=False)}
-    buffers = {k: v.detach().numpy() for k, v in model.named_buffers(remove_duplicate=False)}
+    buffers = {k: v.detach().numpy() for k, v in
+               cap.constants(model, {k for p in progs for k in p.consts}).items()}
     dev = {}
 
     def weight(k, table):

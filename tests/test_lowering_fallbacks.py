@@ -94,3 +94,51 @@ def test_an_op_with_no_lowering_nor_decomposition_is_named(tmp_path):
     assert r.returncode != 0
     assert "bessel_j0" in r.stderr and "is not in the h2ir op set" in r.stderr, r.stderr
     assert f"{f}:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+LIFTED = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Net(nn.Module):
+        def __init__(self, vocab=256, d=16):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.proj = nn.Linear(d, 3 * d, bias=False)
+            self.head = nn.Linear(2 * d, vocab, bias=False)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            if x.shape[1] > 1:          # shape control flow: torch.fx cannot trace it, export can
+                x = x * 2
+            qkv = self.proj(x).view(*x.shape[:2], 3, -1)
+            picked = qkv[..., [0, 2], :]            # a list index: a tensor export lifts
+            return self.head(picked.flatten(-2))
+
+
+    def build_model():
+        return Net()
+''')
+
+
+def test_tensors_lifted_from_the_forward_get_their_values(tmp_path):
+    """torch.export lifts `qkv[..., [0, 2], :]`'s index list out of the forward as a constant;
+    captured on the meta device it has no value, so the compiler reads it from the real model
+    (Falcon's `_split_heads` does this)."""
+    from executor.reference import eager_losses
+    from frontend.capture import trace_model
+    f = tmp_path / "m.py"
+    f.write_text(LIFTED)
+    cap = trace_model(str(f), {}, 2, 8)
+    assert cap.how == "torch.export" and any("lifted" in c.name for c in cap.graph.consts)
+    build = tmp_path / "b"
+    r = run_cli("h2c", "compile", str(f), "--cluster", "local", "--plan", "uniform",
+                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "log.jsonl"
+    r = run_cli("h2x", "run", str(build), "--steps", "3", "--json-log", str(log))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
+    ref = eager_losses(str(build), 3)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
