@@ -25,6 +25,7 @@ from frontend.lower import lower_fx, tensor_type
 from h2ir.opset import DROPOUT_SEED_INPUT as RNG_INPUT
 from h2ir.errors import H2Error
 from h2ir.graph import Graph, Layer, Node, Value
+from h2ir.types import TensorType
 
 
 @dataclass
@@ -327,6 +328,14 @@ def _compose(name: str, s: int, unit_progs: list[_LayerProgram], stage_ins: list
     StageProgram says about them (saved values, tangents, input gradients, params, consts)."""
     fwd, env, saved = _join_forward(f"{name}.stage{s}.fwd", s, unit_progs,
                                     stage_ins + (["targets"] if last else []), in_types)
+    if any(v.name == RNG_INPUT for lp in unit_progs if lp.bwd is not None for v in lp.bwd.inputs) \
+            and RNG_INPUT not in saved:
+        # AOTAutograd's partitioner may recompute a dropout in the backward (from the same seed
+        # and site number, so the same mask): the backward takes the micro-batch's seed, saved
+        if RNG_INPUT not in env:
+            env[RNG_INPUT] = Value(RNG_INPUT, TensorType("i64", (2,)))
+            fwd.inputs.append(env[RNG_INPUT])
+        saved.append(RNG_INPUT)
     computed_outs = ["loss"] if last else [k for k in stage_outs if k not in passthrough]
     fwd.outputs = [env[k] for k in computed_outs] + [env[k] for k in saved]
     bwd, grad, stage_tangents = _join_backward(f"{name}.stage{s}.bwd", s, unit_progs, env, saved,

@@ -109,3 +109,48 @@ def test_dropout_masks_are_the_same_on_both_backends(tmp_path):
     t, n = runs["torch", 0.1], runs["numpy", 0.1]
     assert max(abs(a - b) / abs(b) for a, b in zip(t, n)) <= 1e-5, (t, n)
     assert max(abs(a - b) for a, b in zip(t, runs["torch", 0.0])) > 1e-3   # masks really drop
+
+
+def test_dropout_the_partitioner_moves_into_the_backward():
+    """AOTAutograd's partitioner copies Seed-OSS's residual dropouts into the backward graph (its
+    `rng.seed` input with them); the stage backward then takes the micro-batch's seed, saved by
+    the forward (this was a KeyError). The stage's gradients are checked against a central
+    difference of its forward loss along a random direction: the masks are a function of the
+    seed, so with the seed fixed the loss is smooth in the weights."""
+    import numpy as np
+    import torch
+    from backends.base import run_program
+    from backends.registry import get_backend
+    from frontend.capture import trace_model
+    from frontend.stages import build_stage_programs
+    from h2ir.opset import DROPOUT_SEED_INPUT
+    args = {"family": "seed_oss", "attn": "eager", "dropout": 0.3, "layers": 1}
+    cap = trace_model(MODEL, args, MB, SEQ)
+    (prog,) = build_stage_programs(cap, [[l.name for l in cap.graph.layers]])
+    assert DROPOUT_SEED_INPUT in [v.name for v in prog.bwd.inputs]
+    be = get_backend("torch")
+    torch.manual_seed(0)
+    model = cap.model_file.build(args)
+    params = {k: v.detach().double().float() for k, v in model.named_parameters()}
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, 512, size=(MB, SEQ)))
+    base = {prog.inputs[0]: ids, "targets": torch.from_numpy(rng.integers(0, 512, size=(MB, SEQ))),
+            DROPOUT_SEED_INPUT: torch.tensor([7, 3], dtype=torch.int64),
+            **{k: v.detach() for k, v in model.named_buffers() if k in prog.consts}}
+
+    def forward(p):
+        outs = run_program(prog.fwd, be, {**base, **{k: p[k] for k in prog.params}})
+        return outs
+    outs = forward(params)
+    saved = {v.name: o for v, o in zip(prog.fwd.outputs[1:], outs[1:])}
+    env = {**base, **{k: params[k] for k in prog.params}, **saved,
+           "grad.loss": torch.tensor(1.0)}
+    grads = dict(zip(prog.input_grads, run_program(prog.bwd, be, env)))
+    direction = {k: torch.randn(params[k].shape, generator=torch.Generator().manual_seed(i))
+                 for i, k in enumerate(prog.params)}
+    h = 1e-3
+    lp = float(forward({k: params[k] + h * direction[k] for k in prog.params})[0])
+    lm = float(forward({k: params[k] - h * direction[k] for k in prog.params})[0])
+    numeric = (lp - lm) / (2 * h)
+    analytic = sum(float((grads[k] * direction[k]).sum()) for k in prog.params if k in grads)
+    assert abs(numeric - analytic) <= 2e-2 * abs(analytic), (numeric, analytic)
