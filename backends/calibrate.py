@@ -127,7 +127,9 @@ def ensure_calibration(backends, path: str | Path | None = None, log=_stderr) ->
         except OSError:
             pass        # a read-only home still gets measured numbers, just not stored
     cal = checked(cal)
-    for n in converted + cal.notes:
+    # a layer-time record is reported where a compile uses it (the model it was measured for),
+    # not on every compile of any model that reads the file
+    for n in converted + [n for n in cal.notes if not n.startswith("layer times of ")]:
         log(n)
     cal.notes = converted + cal.notes
     return cal
