@@ -468,8 +468,42 @@ def _aten_from_symbolic(model, gm, example):
     return agm, pmap, bmap, imap
 
 
+def _differentiable_copies(gm: torch.fx.GraphModule) -> None:
+    """Functionalization writes `dst.copy_(src)` as aten.copy(dst, src), which autograd cannot
+    differentiate; the stage programs are built by AOTAutograd from this graph, so each becomes
+    what it computes: src cast to dst's dtype, broadcast to dst's shape, a fresh tensor."""
+    aten = torch.ops.aten
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.copy.default:
+            continue
+        dst, src = n.args[0], n.args[1]
+        want = dst.meta["val"]
+        with gm.graph.inserting_before(n):
+            v = src
+            if src.meta["val"].dtype != want.dtype:
+                v = gm.graph.call_function(aten._to_copy.default, (v,), {"dtype": want.dtype})
+                v.meta.update(n.meta)
+                v.meta["val"] = src.meta["val"].to(want.dtype)
+            if tuple(src.meta["val"].shape) != tuple(want.shape):
+                v = gm.graph.call_function(aten.expand.default, (v, list(want.shape)))
+                v.meta.update(n.meta)
+            v = gm.graph.call_function(aten.clone.default, (v,))
+            v.meta.update(n.meta)
+        n.replace_all_uses_with(v)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _aten_from_export(model, example):
     ep = torch.export.export(model, example, strict=False)
+    if any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+           and n.target._schema.is_mutable for n in ep.graph.nodes):
+        # in-place ops remain (a `copy_` into a slice of a fresh tensor, DeepSeek's key
+        # states): functionalize, so a write through a view updates its base (copy_ ->
+        # slice_scatter); an empty table keeps every other op as it is
+        ep = ep.run_decompositions({})
+        _differentiable_copies(ep.graph_module)
     sig = ep.graph_signature
     pmap = dict(sig.inputs_to_parameters)
     bmap = dict(sig.inputs_to_buffers)

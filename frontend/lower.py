@@ -142,6 +142,22 @@ def _copy_into(em, dst, src):
     return em("copy", src)
 
 
+def _slice_scatter(em, x, src, dim=0, start=None, end=None, step=1):
+    """x with x[start:end] along `dim` replaced by src (functionalized `x[..., a:b].copy_(src)`):
+    the parts before and after, and src between them, concatenated."""
+    dim %= x.type.rank
+    n = x.type.shape[dim]
+    lo = 0 if start is None else (start + n if start < 0 else min(start, n))
+    hi = n if end is None else (end + n if end < 0 else min(end, n))
+    if step != 1:
+        raise Unsupported(f"slice_scatter with step {step}")
+    if src.type.dtype != x.type.dtype:
+        src = em("cast", src, dtype=x.type.dtype)
+    parts = ([_slice(em, x, dim, 0, lo)] if lo > 0 else []) + [src] + \
+            ([_slice(em, x, dim, hi, None)] if hi < n else [])
+    return parts[0] if len(parts) == 1 else em("cat", *parts, dim=dim)
+
+
 def _split(em, x, size, dim=0):
     dim %= x.type.rank
     n = x.type.shape[dim]
@@ -344,6 +360,19 @@ def _topk(em, x, k, dim=-1, largest=True, sorted=True):
         return em("topk", x, k=k, dim=dim % x.type.rank)
     values, indices = em("topk", em("neg", x), k=k, dim=dim % x.type.rank)   # smallest k
     return em("neg", values), indices
+
+
+def _max_dim(largest):
+    """aten.max.dim / aten.min.dim: (values, indices) along one dim, as a top-1."""
+    def f(em, x, dim, keepdim=False):
+        dim %= x.type.rank
+        values, indices = _topk(em, x, 1, dim, largest)
+        if not keepdim:
+            shape = _shape(x)[:dim] + _shape(x)[dim + 1:]
+            values = em("reshape", values, shape=shape)
+            indices = em("reshape", indices, shape=shape)
+        return values, indices
+    return f
 
 
 # ---- indexing, scans, sorting ---------------------------------------------------------------------
@@ -549,6 +578,7 @@ ATEN: dict = {
     aten.flatten.using_ints: _out_shape("reshape"),
     aten.expand.default: _out_shape("expand"),
     aten.slice.Tensor: _slice,
+    aten.slice_scatter.default: _slice_scatter,
     aten.narrow.default: lambda em, x, dim, start, length: _slice(em, x, dim, start, start + length),
     aten.select.int: lambda em, x, dim, index: em("select", x, dim=dim % x.type.rank,
                                                   index=index % x.type.shape[dim]),
@@ -651,6 +681,7 @@ ATEN: dict = {
     aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
     aten.tril.default: lambda em, x, diagonal=0: em("tril", x, diagonal=diagonal),
     aten.topk.default: _topk,
+    aten.max.dim: _max_dim(True), aten.min.dim: _max_dim(False),
     aten.one_hot.default: _one_hot,
     aten.gelu.default: _gelu,
     aten.gelu_backward.default: lambda em, g, x, approximate="none": em(
@@ -837,6 +868,8 @@ class _Lowering:
             v = Value(self.namer(self.inputs[key]), tensor_type(val))
             self.g.inputs.append(v)
             self.env[node.name] = v
+        elif isinstance(val, torch.nn.Module):
+            self.env[node.name] = None    # a higher-order op's body: the op that calls it fails
         elif val is not None and val.numel() == 1 and node.op == "get_attr":
             self.env[node.name] = val.item()     # a lifted scalar constant
         else:
@@ -875,6 +908,10 @@ class _Lowering:
         """(h2ir result, lowering) of one ATen call whose inputs are already h2ir `args`.
         `origin` is the model's node it came from (for messages); an op with no entry in ATEN
         is lowered through its own ATen decomposition (`_decompose`)."""
+        body = _grad_mode_body(node, args)
+        if body is not None:        # torch.export's `with torch.no_grad():` region: inline it
+            gm, ins = body
+            return self.lower_subgraph((gm, list(range(len(ins)))), origin, ins, {}, depth), None
         fn = ATEN.get(node.target) or ATEN.get(op_name(node.target)) or _aten_twin(node.target)
         if fn is None:
             sub = _decompose(node) if depth < MAX_DECOMPOSE_DEPTH else None
@@ -952,13 +989,30 @@ class _Lowering:
 MAX_DECOMPOSE_DEPTH = 4
 
 
+def _grad_mode_body(node: torch.fx.Node, args):
+    """(body GraphModule, its inputs) of torch.export's wrap_with_set_grad_enabled(enabled, body,
+    *inputs), else None. The region computes what its body computes; which values get
+    gradients is AOTAutograd's business when the stage programs are built."""
+    hop = getattr(getattr(torch._higher_order_ops, "wrap", None), "wrap_with_set_grad_enabled",
+                  None)
+    if hop is None or node.target is not hop:
+        return None
+    gm = node.args[1]
+    gm = getattr(node.graph.owning_module, gm.target) if isinstance(gm, torch.fx.Node) else gm
+    return gm, list(args[2:])
+
+
 def _aten_twin(op):
     """The lowering of the ATen op a primitive stands for (prims::log1p -> aten::log1p): some
     of torch._decomp's decompositions are written in prims, with the same semantics."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "prims":
         return None
     twin = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
-    return ATEN.get(getattr(twin, "default", None)) if twin is not None else None
+    for overload in ("default", "Tensor", "Scalar"):
+        fn = ATEN.get(getattr(twin, overload, None)) if twin is not None else None
+        if fn is not None:
+            return fn
+    return None
 
 
 def _decompose(node: torch.fx.Node):
