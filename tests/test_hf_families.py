@@ -3,6 +3,7 @@ a 2-stage `h2c compile`, and `h2x run` on the torch and on the NumPy backend, wi
 to eager transformers training (same weights, data and AdamW). One fast case runs in `make
 test`; every family x attention x backend is a slow test (`make test-slow`)."""
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from conftest import ROOT, run_cli
 
 MODEL = str(ROOT / "examples/hf/decoders.py")
-FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "mixtral", "qwen2_moe"]
+sys.path.insert(0, str(ROOT / "examples/hf"))
+from decoders import CORE_FAMILIES as FAMILIES, MORE_FAMILIES  # noqa: E402
 CLUSTER = {"torch": ("local", "cpu-torch"), "numpy": ("local-numpy", "cpu-numpy")}
 STEPS = 5
 MB, SEQ, GB = 2, 32, 4
@@ -66,6 +68,13 @@ def test_llama_gqa_default_attention_trains_on_both_backends(tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_like_eager_transformers(tmp_path, family, attn, backend):
     train_and_compare(tmp_path, family, attn, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_families_train_like_eager_transformers(tmp_path, family, backend):
+    train_and_compare(tmp_path, family, MORE_FAMILIES[family], backend)
 
 
 @pytest.mark.slow

@@ -197,7 +197,8 @@ def test_migration_balances_a_skewed_router_and_keeps_losses(tmp_path):
 # ---- transformers MoE families -----------------------------------------------------------------
 
 @pytest.mark.slow          # ~12 s each: the transformers MoE families in make test-slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
+                                    "deepseek_v3"])
 def test_transformers_moe_with_ep2_matches_eager(tmp_path, family):
     pytest.importorskip("transformers")
     plan = _plan(tmp_path, HF, TORCH4, 2, [("cpu-torch", "embed, 0"), ("cpu-torch", "1, head")],

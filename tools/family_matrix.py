@@ -1,11 +1,12 @@
 """How far each transformers decoder family gets through h2, and how close its losses are.
 
-For every family x attention implementation x backend of examples/hf/decoders.py: `h2c ir`
+For every family x attention implementation x backend of examples/hf/decoders.py (its
+CORE_FAMILIES with both attentions, MORE_FAMILIES with the one named): `h2c ir`
 (capture), `h2c compile` of a 2-stage plan (stage programs, kernels), `h2x run` for a few steps,
 and the comparison with eager transformers training (same weights, data and AdamW). Prints a
 markdown table, or JSON with --json; tools/gen_docs.py renders it into docs/backends.md.
 
-    .venv/bin/python tools/family_matrix.py [--families llama,gpt2] [--steps 5] [--json]
+    .venv/bin/python tools/family_matrix.py [--families llama,gpt2] [--more all|f1,f2] [--steps 5] [--json]
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODEL = str(ROOT / "examples/hf/decoders.py")
-FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "mixtral", "qwen2_moe"]
+sys.path.insert(0, str(ROOT / "examples/hf"))
+from decoders import CORE_FAMILIES, MORE_FAMILIES  # noqa: E402
 CLUSTER = {"torch": ("local", "cpu-torch"), "numpy": ("local-numpy", "cpu-numpy")}
 MB, SEQ, GB = 2, 32, 4
 
@@ -57,12 +59,18 @@ def one_case(family: str, attn: str, backend: str, steps: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(CORE_FAMILIES),
+                    help="families run with both attentions")
+    ap.add_argument("--more", default="",
+                    help="families run with the attention MORE_FAMILIES names ('all': every one)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    rows = [one_case(f, attn, be, a.steps) for f in a.families.split(",")
+    rows = [one_case(f, attn, be, a.steps) for f in a.families.split(",") if f
             for attn in ("sdpa", "eager") for be in ("torch", "numpy")]
+    rows += [one_case(f, MORE_FAMILIES.get(f, "sdpa"), be, a.steps)
+             for f in (list(MORE_FAMILIES) if a.more == "all" else a.more.split(",")) if f
+             for be in ("torch", "numpy")]
     if a.json:
         print(json.dumps(rows, indent=1))
         return

@@ -443,6 +443,8 @@ REGIONS = {r.name: r for r in [
     Region("bench-multihost-plan", BENCH, (("bench/bench_multihost_plan.py", "--steps", "6"),),
            render_verbatim),
     Region("hf-families", "docs/backends.md", (("tools/family_matrix.py",),), render_verbatim),
+    Region("hf-more-families", "docs/backends.md",
+           (("tools/family_matrix.py", "--families=", "--more=all"),), render_verbatim),
 ]}
 
 

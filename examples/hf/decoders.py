@@ -18,9 +18,40 @@ FAMILY_CONFIG = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1,
+                    "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                    "head_dim": 8,              # deepseek's rotary size: qk_rope_head_dim
+                    "num_key_value_heads": 4},  # multi-head latent attention: every head
 }
-DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                  "summary_first_dropout", "dropout", "activation_dropout")
+# The families h2's tests train against eager transformers (tests/test_hf_families.py,
+# tools/family_matrix.py): the first eight with both attentions on both backends; the rest with
+# the attention named (sdpa where transformers offers it for the family) on both backends.
+CORE_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "mixtral", "qwen2_moe"]
+MORE_FAMILIES = {
+    "qwen3": "sdpa", "gemma2": "eager", "gemma3_text": "sdpa", "phi": "sdpa", "falcon": "sdpa",
+    "gpt_neox": "sdpa", "olmo": "sdpa", "olmo2": "sdpa", "olmo3": "sdpa", "stablelm": "sdpa",
+    "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa", "granite": "sdpa",
+    "gpt_bigcode": "sdpa", "opt": "sdpa", "bloom": "eager", "gptj": "sdpa", "codegen": "sdpa",
+    "glm": "sdpa", "glm4": "sdpa", "helium": "sdpa", "smollm3": "sdpa", "exaone4": "sdpa",
+    "ernie4_5": "sdpa", "hunyuan_v1_dense": "sdpa", "arcee": "sdpa", "apertus": "sdpa",
+    "seed_oss": "sdpa", "ministral": "sdpa", "nemotron": "sdpa", "persimmon": "sdpa",
+    "biogpt": "sdpa", "xglm": "eager", "internlm3": "sdpa", "bitnet": "sdpa", "mpt": "eager",
+    "vaultgemma": "eager", "qwen3_moe": "sdpa", "olmoe": "sdpa", "granitemoe": "sdpa",
+    "deepseek_v3": "sdpa",
+}
+
+
+def _is_dropout_field(name: str) -> bool:
+    """A config field that holds a dropout probability, whatever the family calls it
+    (attention_dropout, resid_pdrop, hidden_dropout_prob, ...)."""
+    return "dropout" in name or name.endswith("_pdrop")
 
 
 class CausalLMLogits(nn.Module):
@@ -37,15 +68,21 @@ def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads
     extra = dict(FAMILY_CONFIG.get(family, {}))
     if tie is not None:
         extra["tie_word_embeddings"] = bool(tie)
-    cfg = AutoConfig.for_model(
-        family, vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(ffn),
-        num_hidden_layers=int(layers), num_attention_heads=int(heads),
-        num_key_value_heads=int(kv_heads), max_position_embeddings=int(max_seq),
-        bos_token_id=0, eos_token_id=1, pad_token_id=None, **extra)
+    sizes = dict(vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(ffn),
+                 num_hidden_layers=int(layers), num_attention_heads=int(heads),
+                 num_key_value_heads=int(kv_heads), max_position_embeddings=int(max_seq),
+                 bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    cfg = AutoConfig.for_model(family, **{**sizes, **extra})   # a family's own entry wins
     if family == "gpt2":
         cfg.n_inner = int(ffn)
-    for f in DROPOUT_FIELDS:
-        if isinstance(getattr(cfg, f, None), float):
+    head = int(hidden) // int(heads)
+    if "head_dim" not in extra and hasattr(cfg, "head_dim") and \
+            not isinstance(getattr(type(cfg), "head_dim", None), property):
+        cfg.head_dim = head                  # families whose default head size is fixed (128)
+    if (getattr(cfg, "rotary_dim", None) or 0) > head:
+        cfg.rotary_dim = head                # GPT-J and CodeGen rotate the first 64 dims by default
+    for f, v in list(vars(cfg).items()):
+        if _is_dropout_field(f) and isinstance(v, (int, float)) and not isinstance(v, bool):
             setattr(cfg, f, float(dropout))
     cfg._attn_implementation = attn
     if experts:          # MoE experts kernel: transformers' default grouped_mm, or batched_mm
