@@ -49,6 +49,24 @@ MODEL = textwrap.dedent('''
 ''')
 
 
+def _trains_like_eager(tmp_path, model_text: str, cluster: str, steps: int) -> None:
+    """Compile `model_text` (a uniform plan on `cluster`), run `steps` steps with h2x, and
+    compare the losses with eager training of the same weights on the same data."""
+    from executor.reference import eager_losses
+    f = tmp_path / "m.py"
+    f.write_text(model_text)
+    build = tmp_path / "b"
+    r = run_cli("h2c", "compile", str(f), "--cluster", cluster, "--plan", "uniform",
+                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "log.jsonl"
+    r = run_cli("h2x", "run", str(build), "--steps", str(steps), "--json-log", str(log))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
+    ref = eager_losses(str(build), steps)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
 def test_decomposed_ops_lower_to_the_op_set(tmp_path):
     """The IR holds only op-set ops where the model called stack, softplus and Tensor.T, and
     the weightless layer norm prints and parses back unchanged."""
@@ -66,22 +84,9 @@ def test_decomposed_ops_lower_to_the_op_set(tmp_path):
     assert print_graph(parse_graph(text)) == text
 
 
-@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy"])
 def test_decomposed_ops_train_like_eager(tmp_path, backend):
-    from executor.reference import eager_losses
-    f = tmp_path / "m.py"
-    f.write_text(MODEL)
-    cluster = {"torch": "local", "numpy": "local-numpy"}[backend]
-    build = tmp_path / "b"
-    r = run_cli("h2c", "compile", str(f), "--cluster", cluster, "--plan", "uniform",
-                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "4", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    _trains_like_eager(tmp_path, MODEL, {"torch": "local", "numpy": "local-numpy"}[backend], 4)
 
 
 def test_an_op_with_no_lowering_nor_decomposition_is_named(tmp_path):
@@ -125,22 +130,12 @@ def test_tensors_lifted_from_the_forward_get_their_values(tmp_path):
     """torch.export lifts `qkv[..., [0, 2], :]`'s index list out of the forward as a constant;
     captured on the meta device it has no value, so the compiler reads it from the real model
     (Falcon's `_split_heads` does this)."""
-    from executor.reference import eager_losses
     from frontend.capture import trace_model
     f = tmp_path / "m.py"
     f.write_text(LIFTED)
     cap = trace_model(str(f), {}, 2, 8)
     assert cap.how == "torch.export" and any("lifted" in c.name for c in cap.graph.consts)
-    build = tmp_path / "b"
-    r = run_cli("h2c", "compile", str(f), "--cluster", "local", "--plan", "uniform",
-                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "3", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 3)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    _trains_like_eager(tmp_path, LIFTED, "local", 3)
 
 
 VIEW_WRITES = textwrap.dedent('''
@@ -175,16 +170,4 @@ VIEW_WRITES = textwrap.dedent('''
 def test_writes_through_views_update_their_base(tmp_path):
     """In-place writes into slices of a fresh tensor (DeepSeek-V3's key states): the exported
     graph is functionalized, so the base sees the writes and gradients flow through them."""
-    from executor.reference import eager_losses
-    f = tmp_path / "m.py"
-    f.write_text(VIEW_WRITES)
-    build = tmp_path / "b"
-    r = run_cli("h2c", "compile", str(f), "--cluster", "local-numpy", "--plan", "uniform",
-                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "3", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 3)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    _trains_like_eager(tmp_path, VIEW_WRITES, "local-numpy", 3)
