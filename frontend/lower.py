@@ -946,8 +946,10 @@ class _Lowering:
                 k = torch.fx.node.map_arg(sn.kwargs, lambda n: env[n.name])
                 if sn.target is operator.getitem:
                     env[sn.name] = a[0][a[1]]
-                else:
-                    env[sn.name] = self.lower_call(sn, origin, a, k, depth)[0]
+                    continue
+                env[sn.name], fn = self.lower_call(sn, origin, a, k, depth)
+                if getattr(fn, "inplace", False) and isinstance(sn.args[0], torch.fx.Node):
+                    env[sn.args[0].name] = env[sn.name]    # as in call_function
             elif sn.op == "output":
                 out = torch.fx.node.map_arg(sn.args[0], lambda n: env[n.name])
             else:                           # a tensor constant the decomposition made

@@ -44,7 +44,7 @@ MORE_FAMILIES = {
     "seed_oss": "sdpa", "ministral": "sdpa", "nemotron": "sdpa", "persimmon": "sdpa",
     "biogpt": "sdpa", "xglm": "eager", "internlm3": "sdpa", "bitnet": "sdpa", "mpt": "eager",
     "vaultgemma": "eager", "qwen3_moe": "sdpa", "olmoe": "sdpa", "granitemoe": "sdpa",
-    "deepseek_v3": "sdpa",
+    "deepseek_v3": "sdpa", "gpt_neo": "eager",
 }
 
 
@@ -68,6 +68,11 @@ def build_model(family="llama", attn="sdpa", layers=2, hidden=64, ffn=128, heads
     extra = dict(FAMILY_CONFIG.get(family, {}))
     if tie is not None:
         extra["tie_word_embeddings"] = bool(tie)
+    if family == "gpt_neo":      # global and local (windowed) attention alternate, per layer
+        n = int(layers)
+        extra.setdefault("attention_types", [[["global", "local"], n // 2]] +
+                         ([[["global"], 1]] if n % 2 else []))
+        extra.setdefault("window_size", 16)
     sizes = dict(vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(ffn),
                  num_hidden_layers=int(layers), num_attention_heads=int(heads),
                  num_key_value_heads=int(kv_heads), max_position_embeddings=int(max_seq),
