@@ -285,14 +285,40 @@ _scalar_tensor.wants_out = True
 
 def _no_attention_dropout(dropout_p):
     if dropout_p:
-        raise Unsupported("attention dropout (dropout_p > 0) is not lowered: the fused attention "
-                          "ops take no RNG seed yet; train with attention dropout 0")
+        raise Unsupported("attention dropout (dropout_p > 0) inside a fused attention backward: "
+                          "the fused attention ops draw no mask (the forward lowers attention "
+                          "with dropout in its math form)")
+
+
+def _attention_math(em, q, k, v, dropout_p, is_causal, attn_mask, scale):
+    """(out, logsumexp) of attention written out: scores, mask, softmax, the op set's dropout
+    on the probabilities, matmul — attention with dropout, which the fused ops do not draw."""
+    r = q.type.rank
+    if k.type.shape[1] != q.type.shape[1]:       # grouped-query heads: each serves a group
+        k = _repeat_interleave(em, k, q.type.shape[1] // k.type.shape[1], dim=1)
+        v = _repeat_interleave(em, v, q.type.shape[1] // v.type.shape[1], dim=1)
+    scale = float(scale) if scale is not None else q.type.shape[-1] ** -0.5
+    scores = em("mul", _matmul(em, q, em("transpose", k, dim0=r - 2, dim1=r - 1)), scale)
+    L, S = q.type.shape[-2], k.type.shape[-2]
+    if is_causal:
+        keep = em("tril", em("full", shape=[L, S], value=True, dtype="bool"), diagonal=0)
+        scores = em("where", keep, scores, float("-inf"))
+    if attn_mask is not None:
+        scores = em("where", attn_mask, scores, float("-inf")) \
+            if attn_mask.type.dtype == "bool" else em("add", scores, attn_mask)
+    m = em("amax", scores, dims=[r - 1], keepdim=True)
+    lse = em("add", em("log", em("sum", em("exp", em("sub", scores, m)), dims=[r - 1])),
+             em("reshape", m, shape=_shape(m)[:-1]))
+    probs = _native_dropout(em, em("softmax", scores, dim=r - 1), dropout_p, True)[0]
+    return _matmul(em, probs, v), lse
 
 
 def _attention_fwd(em, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
     """One fused op either way: `attention` (causal flag only) or `attention_masked` (a mask
-    tensor, bool or additive). Grouped-query heads (k/v with fewer heads) pass as they are."""
-    _no_attention_dropout(dropout_p)
+    tensor, bool or additive). Grouped-query heads (k/v with fewer heads) pass as they are.
+    With dropout, the math form (`_attention_math`): AOTAutograd records that one too."""
+    if dropout_p:
+        return _attention_math(em, q, k, v, dropout_p, is_causal, attn_mask, scale)
     if attn_mask is None:
         return em("attention", q, k, v, causal=bool(is_causal), scale=scale)
     return em("attention_masked", q, k, v, attn_mask, causal=bool(is_causal), scale=scale)
