@@ -84,7 +84,8 @@ def test_decomposed_ops_lower_to_the_op_set(tmp_path):
     assert print_graph(parse_graph(text)) == text
 
 
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "numpy"])
+@pytest.mark.slow          # ~10 s each; the IR-level test above runs in make test
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
 def test_decomposed_ops_train_like_eager(tmp_path, backend):
     _trains_like_eager(tmp_path, MODEL, {"torch": "local", "numpy": "local-numpy"}[backend], 4)
 
@@ -134,7 +135,14 @@ def test_tensors_lifted_from_the_forward_get_their_values(tmp_path):
     f = tmp_path / "m.py"
     f.write_text(LIFTED)
     cap = trace_model(str(f), {}, 2, 8)
-    assert cap.how == "torch.export" and any("lifted" in c.name for c in cap.graph.consts)
+    lifted = [c.name for c in cap.graph.consts if "lifted" in c.name]
+    assert cap.how == "torch.export" and lifted
+    got = cap.constants(cap.model_file.build({}), lifted)
+    assert [got[k].tolist() for k in lifted] == [[0, 2]]
+
+
+@pytest.mark.slow          # ~10 s
+def test_a_model_with_lifted_tensors_trains_like_eager(tmp_path):
     _trains_like_eager(tmp_path, LIFTED, "local", 3)
 
 
