@@ -837,6 +837,9 @@ def lower_fx(gm: torch.fx.GraphModule, name: str, *, inputs: dict, params: dict,
             low.call_function(node)
         else:
             raise H2Error(f"unexpected fx node {node.op} {node.target} (lower to ATen first)", file)
+    # lowerings may emit results nobody reads (the logsumexp of attention with dropout, in its
+    # math form): they must not count in the layer costs
+    low.g.eliminate_dead_code()
     return low.g
 
 
