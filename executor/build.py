@@ -119,6 +119,27 @@ class BuildDir:
         return {**zb, "bwd_input": load_graph(str(self.path / zb["bwd_input"])),
                 "bwd_weight": load_graph(str(self.path / zb["bwd_weight"]))}
 
+    def calibration(self):
+        """The calibration the compile planned and predicted this build with (compiler
+        `_write_calibration`), or None for a build of catalog chips or of an older h2c."""
+        from h2ir.planner.calibration import Calibration
+        rel = self.manifest.get("calibration")
+        if rel is None:
+            return None
+        p = self.path / rel
+        text = read_user_file(p, "calibration")
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise H2Error(f"calibration is not valid JSON: {e.msg}", str(p), e.lineno,
+                          e.colno) from None
+        except RecursionError:
+            raise too_deep(text, str(p), "calibration") from None
+        if not isinstance(d, dict):
+            raise H2Error(f"calibration is not a JSON object (got {type(d).__name__})", str(p))
+        cal = Calibration.from_json(d, str(p))
+        return cal.select(cal.records)
+
     def stream(self, worker: int):
         w = self.workers[worker]
         p = self.path / w["stream"]
@@ -247,6 +268,8 @@ class _ManifestCheck:
             self.file_in_build(w, "stream", f + ".stream")
             if "host" in w:             # absent in builds of older h2c: every worker on host 0
                 self.integer(w, "host", 0, MAX_WORKERS, f + ".host")
+        if "calibration" in m:          # absent in builds of older h2c and of catalog chips
+            self.file_in_build(m, "calibration", "calibration")
         used = sorted({w.get("host", 0) for w in workers})
         if used != list(range(len(used))):
             missing = sorted(set(range(used[-1] + 1)) - set(used))

@@ -84,7 +84,8 @@ def _kill_all(procs):
 
 def predicted_step_time(build: BuildDir) -> SimResult:
     """The simulator's step time for this build: its own stream files (streams/wK.txt), timed
-    with the resource model and this host's calibration — the streams the workers will run."""
+    with the resource model and the calibration the compile used (the build's calibration.json;
+    a build without one: this host's calibration file) — the streams the workers will run."""
     plan = load_plan(str(build.path / "plan.h2plan"))
     m = build.manifest                  # the plan the programs were built from, or an error
     if (len(plan.stages) != len(m["stages"]) or plan.dp != m["dp"]
@@ -96,8 +97,10 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
-    cal = ensure_calibration(backends) if backends else None
-    if cal is not None and "calibration_records" in m:
+    cal = build.calibration() if backends else None       # the compile's own (h2c >= 2026-12-02)
+    if cal is None and backends:
+        cal = ensure_calibration(backends)
+    if "calibration" not in m and cal is not None and "calibration_records" in m:
         # the layer-time records the compile predicted with (none: the per-op rates), not
         # whichever records of other models and shapes the file also holds
         cal = cal.select(m["calibration_records"])

@@ -15,6 +15,8 @@
       streams/wK.txt           instruction stream of worker K (one instruction per line)
       streams/schedule.csv     the simulated timeline of those streams as a time-aligned grid
                                (a row per worker, a column per time slot, bubbles empty)
+      calibration.json         clusters of `measured` chips: the backends' rates and the
+                               layer-time records the plan and its prediction were made with
 
 No pickle anywhere: JSON for metadata, h2ir text for programs, safetensors for tensors. h2x needs
 only this directory and the backends — not the model file.
@@ -506,10 +508,27 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     selected = getattr(cal, "selected", None) if cal is not None else None
     if selected is not None:
         manifest["calibration_records"] = sorted(selected)
+    if cal is not None:
+        _write_calibration(cal, out)
+        manifest["calibration"] = BUILD_CALIBRATION
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
     return BuildResult(out, plan, progs, time.perf_counter() - t0, sim)
+
+
+BUILD_CALIBRATION = "calibration.json"
+
+
+def _write_calibration(cal, out: Path) -> None:
+    """The calibration this build was planned and predicted with (the backends' rates and the
+    layer-time records the planner was allowed to use), so h2x's prediction of this build is the
+    compile's, whatever the host's calibration file holds by the time it runs: another compile
+    may have re-measured a backend, or replaced a record of the same key."""
+    d = cal.to_json()
+    if cal.selected is not None:
+        d["layer_records"] = {rid: r for rid, r in cal.records.items() if rid in cal.selected}
+    (out / BUILD_CALIBRATION).write_text(json.dumps(d, indent=1))
 
 
 def _write_weights(cap, progs, model_path, model_args, seed, out: Path):

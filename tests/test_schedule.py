@@ -175,22 +175,56 @@ def test_h2x_prediction_simulates_the_builds_stream_files(tiny_build, capsys):
 
 
 def test_h2x_predicts_with_the_records_the_compile_used(tmp_path):
-    """A calibration file holds layer times of other shapes and worker counts too: h2x's
-    prediction for a build uses the records its compile used (manifest calibration_records), so
-    the two agree — not the newest record of the model, here one measured with 4 workers."""
+    """h2x's prediction for a build is the compile's, whatever the host's calibration file holds
+    by then: here another compile has re-measured the backends (rates doubled), replaced the
+    build's own layer-time records (times tripled) and added a newer record of the model
+    measured with more workers. The build carries the calibration it was planned with
+    (calibration.json), and that copy is what h2x reads: edited, it moves the prediction."""
     from executor.build import BuildDir
     from executor.launcher import predicted_step_time
     from frontend.compiler import compile_model
+    from h2ir.planner.calibration import calibration_path
     args = {"n_layers": 2, "dim": 64, "n_heads": 4, "ffn": 128, "vocab": 256, "max_seq": 64}
-    quiet = lambda *a: None      # noqa: E731
-    built = {}
-    for cluster in ("local", "examples/clusters/local4.toml"):   # the second records are newer
-        out = tmp_path / Path(cluster).stem
-        built[cluster] = (out, compile_model(
-            "examples/llama_tiny.py", model_args=args, cluster_arg=cluster, plan_arg="uniform",
-            global_batch=4, micro_batch=1, seq_len=16, out_dir=str(out), log=quiet))
-    out, res = built["local"]
+    out = tmp_path / "b"
+    res = compile_model("examples/llama_tiny.py", model_args=args, cluster_arg="local",
+                        plan_arg="uniform", global_batch=4, micro_batch=1, seq_len=16,
+                        out_dir=str(out), log=lambda *a: None)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["calibration_records"]
-    assert predicted_step_time(BuildDir(str(out))).step_time_s == \
-        pytest.approx(res.predicted.step_time_s, rel=1e-9)
+    assert manifest["calibration_records"] and manifest["calibration"] == "calibration.json"
+
+    def slower(rec, k):
+        for layer in rec["layers"].values():
+            layer["fwd_s"] *= k
+            layer["bwd_s"] *= k
+
+    host_file = Path(calibration_path())
+    saved = host_file.read_text()
+    try:
+        d = json.loads(saved)
+        for b in d["backends"].values():
+            b["matmul"] = {k: v * 2 for k, v in b["matmul"].items()}
+            b["mem_bw"] *= 2
+            if b.get("opt_bw"):
+                b["opt_bw"] *= 2
+        for rid in manifest["calibration_records"]:
+            slower(d["layer_records"][rid], 3)
+            newer = json.loads(json.dumps(d["layer_records"][rid]))
+            newer["key"]["workers"] += 2
+            newer["measured_at"] = "2999-01-01T00:00:00+00:00"
+            d["layer_records"][rid + "-newer"] = newer
+        host_file.write_text(json.dumps(d))
+        assert predicted_step_time(BuildDir(str(out))).step_time_s == \
+            pytest.approx(res.predicted.step_time_s, rel=1e-9)
+        bc = json.loads((out / "calibration.json").read_text())
+        for rec in bc["layer_records"].values():
+            slower(rec, 3)
+        (out / "calibration.json").write_text(json.dumps(bc))
+        assert predicted_step_time(BuildDir(str(out))).step_time_s > \
+            1.5 * res.predicted.step_time_s
+        (out / "calibration.json").write_text('{"backends": ')      # damaged: named, not a crash
+        from h2ir.errors import H2Error
+        with pytest.raises(H2Error, match="calibration is not valid JSON") as e:
+            predicted_step_time(BuildDir(str(out)))
+        assert str(out / "calibration.json") in str(e.value)
+    finally:
+        host_file.write_text(saved)
