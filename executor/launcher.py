@@ -174,7 +174,7 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
                    ckpt_dir: Path) -> _Run:
     m = build.manifest
     W = len(build.workers)
-    store = dicomm.host_store("127.0.0.1")
+    store = dicomm.reserve_store("127.0.0.1")   # its TCPStore starts once the workers have
     secret = dicomm.new_secret()
     status_path = run_dir / "status.bin"
     status = np.memmap(status_path, dtype=np.float64, mode="w+", shape=(W, STATUS_FIELDS))
@@ -209,10 +209,12 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
             run.errs.append(err)
             run.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                               env=env))
+        run.store = store.start()       # torch here, while the workers import theirs
     except BaseException:               # no worker outlives a launcher that failed to start them
         _kill_all(run.procs)
         for e in run.errs:
             e.close()
+        store.close()
         raise
     for w, p in enumerate(run.procs):
         threading.Thread(target=_reader, args=(p, w, run.events), daemon=True).start()

@@ -34,22 +34,54 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
     """Start a TCPStore master listening on `host` only (the launcher calls this, keeps the object
     alive for the whole run, and passes `store.port` to the workers). port=0 picks a free port.
     `host` is an interface address: loopback by default; a node's address for multi-host runs."""
-    from torch.distributed import TCPStore
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    return reserve_store(host, port, timeout).start()
+
+
+class ReservedStore:
+    """A rendezvous store's listening socket, bound now, its TCPStore started later (`start`).
+
+    Its port is known at once, so the launcher can start the workers first and only then import
+    torch for the store: the two imports overlap instead of adding up (torch's import is ~2 s
+    here). A worker that connects before `start` waits in the socket's backlog; TCPStore accepts
+    it when it starts."""
+
+    def __init__(self, host: str, port: int, timeout: float):
+        self.host, self.timeout = host, timeout
         try:
-            sock.bind((host, port))
-            sock.listen(128)
-            store = TCPStore(host, sock.getsockname()[1], world_size=None, is_master=True,
-                             timeout=timedelta(seconds=timeout), wait_for_workers=False,
-                             master_listen_fd=sock.fileno(), use_libuv=True)
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()   # the store owns the descriptor now and closes it when it goes
+            self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                      socket.SOCK_STREAM)
+            try:
+                self.sock.bind((host, port))
+                self.sock.listen(128)
+            except BaseException:
+                self.sock.close()
+                raise
+        except OSError as e:
+            raise CommError(f"cannot host the rendezvous store on {host}:{port}: {e}") from None
+        self.port = self.sock.getsockname()[1]
+
+    def start(self):
+        """The TCPStore master on the reserved socket (which it then owns)."""
+        from torch.distributed import TCPStore
+        try:
+            store = TCPStore(self.host, self.port, world_size=None, is_master=True,
+                             timeout=timedelta(seconds=self.timeout), wait_for_workers=False,
+                             master_listen_fd=self.sock.fileno(), use_libuv=True)
+        except Exception as e:  # RuntimeError/DistNetworkError from torch
+            self.close()
+            raise CommError(f"cannot host the rendezvous store on {self.host}:{self.port}: "
+                            f"{e}") from None
+        self.sock.detach()      # the store owns the descriptor now and closes it when it goes
         return store
-    except Exception as e:  # OSError from bind, RuntimeError/DistNetworkError from torch
-        raise CommError(f"cannot host the rendezvous store on {host}:{port}: {e}") from None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def reserve_store(host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> ReservedStore:
+    """Bind and listen on `host`:`port` for a rendezvous store started later
+    (`ReservedStore.start`)."""
+    return ReservedStore(host, port, timeout)
 
 
 class Rendezvous:
