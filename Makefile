@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q -x --durations=10
+	$(VPY) -m pytest -q -x -n 2 --durations=10
 
 test-slow: $(STAMP)
 	$(VPY) -m pytest -q -m slow

@@ -8,8 +8,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Tests measure into their own calibration file, never the user's (~/.cache/h2).
+# Under pytest-xdist (`make test` runs two) each test process has its own file: a calibration file
+# is replaced whole, so two writers would drop each other's records.
 os.environ.setdefault("H2_CALIBRATION", str(Path(os.environ.get("TMPDIR", "/tmp")) /
-                                            f"h2-test-calibration-{os.getuid()}.json"))
+                                            f"h2-test-calibration-{os.getuid()}"
+                                            f"{os.environ.get('PYTEST_XDIST_WORKER', '')}.json"))
 BIN = Path(sys.executable).parent
 
 
