@@ -42,6 +42,13 @@ MAX_REPS = 40             # at most, per layer kind and direction
 WINDOW = 5                # stable: the last WINDOW repetitions spread at most TARGET_SPREAD
 TARGET_SPREAD = 0.05
 BUDGET_S = 20.0           # per layer kind: stop repeating after this long
+# Whole measurements (`measure_concurrently`: fresh processes, fresh allocations, the machine as it
+# is then) are repeated too: one process set's layer times moved a prediction by 20 % against the
+# next one's on this VM, more than any set's own repetitions spread. Rounds go on until two
+# agree (every backend's total within ROUND_AGREE), at least ROUNDS[0], at most ROUNDS[1]; the
+# layer times are those two rounds' (`combine_rounds`). H2_CALIBRATION_ROUNDS="lo,hi" overrides.
+ROUNDS = (2, 4)
+ROUND_AGREE = 0.05
 
 
 def spread(xs) -> float:
@@ -353,14 +360,98 @@ def layer_record_key(model_path: str, model_args: dict, micro_batch: int, seq_le
     return key
 
 
+def rounds_setting() -> tuple[int, int]:
+    """(fewest, most) measurement rounds: ROUNDS, or H2_CALIBRATION_ROUNDS="lo,hi" (or "n")."""
+    v = os.environ.get("H2_CALIBRATION_ROUNDS", "").strip()
+    if not v:
+        return ROUNDS
+    try:
+        parts = [int(x) for x in v.split(",")]
+        lo, hi = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+        if len(parts) > 2 or not 1 <= lo <= hi <= 20:
+            raise ValueError
+    except ValueError:
+        raise H2Error(f"H2_CALIBRATION_ROUNDS={v!r}: expected N or LO,HI with 1 <= LO <= HI <= 20")
+    return lo, hi
+
+
+def _totals(res: dict) -> dict:
+    """{backend: forward + backward seconds over its layer kinds} of one round."""
+    return {b: sum(r["fwd_s"] + r["bwd_s"] for r in layers.values()) for b, layers in res.items()}
+
+
+def rounds_agree(a: dict, b: dict, tol: float = ROUND_AGREE) -> bool:
+    """Two rounds agree: every backend's total within `tol` of the other's."""
+    ta, tb = _totals(a), _totals(b)
+    return all(abs(ta[k] - tb[k]) <= tol * min(ta[k], tb[k]) for k in ta)
+
+
+def agreeing_pair(rounds: list[dict]) -> tuple[int, int] | None:
+    """The two rounds that agree most closely (`rounds_agree`), or None when no two agree."""
+    best = None
+    for i in range(len(rounds)):
+        for j in range(i + 1, len(rounds)):
+            if rounds_agree(rounds[i], rounds[j]):
+                ti, tj = _totals(rounds[i]), _totals(rounds[j])
+                d = max(abs(ti[k] - tj[k]) / min(ti[k], tj[k]) for k in ti)
+                if best is None or d < best[0]:
+                    best = (d, (i, j))
+    return best[1] if best else None
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One result from several rounds. Where two rounds agree (`agreeing_pair`), from those two
+    (a round that agreed with none was the machine's moment, not the layer's cost); otherwise from
+    all of them. Each layer time is the median over the rounds used; its spreads the largest
+    within those rounds or between their backend totals, whichever is larger (so rounds that
+    never agreed make a noisy record); `rounds` how many were measured."""
+    pair = agreeing_pair(rounds)
+    used = [rounds[i] for i in pair] if pair else rounds
+    out = {}
+    for b in rounds[0]:
+        tots = [_totals(r)[b] for r in used]
+        between = (max(tots) - min(tots)) / statistics.median(tots) if len(tots) > 1 else 0.0
+        out[b] = {}
+        for kind in rounds[0][b]:
+            rec = dict(rounds[0][b][kind])
+            for key in ("fwd_s", "bwd_s"):
+                rec[key] = float(statistics.median(r[b][kind][key] for r in used))
+            for key in ("fwd_spread", "bwd_spread"):
+                rec[key] = max(max(r[b][kind][key] for r in used), between)
+            rec["reps"] = max(r[b][kind]["reps"] for r in used)
+            rec["rounds"] = len(rounds)
+            out[b][kind] = rec
+    return out
+
+
+def measure_rounds(measure_once, rounds: tuple[int, int] | None = None, log=None) -> dict:
+    """`measure_once()` ({backend: layer times}) repeated until two rounds agree, at least
+    rounds[0] times (two, to compare, unless rounds[1] is 1) and at most rounds[1] times; their
+    combination (`combine_rounds`)."""
+    lo, hi = rounds or rounds_setting()
+    got = [measure_once()]
+    while len(got) < hi and (len(got) < max(lo, 2) or agreeing_pair(got) is None):
+        got.append(measure_once())
+    if log is not None and len(got) > 1:
+        tots = [_totals(r) for r in got]
+        pair = agreeing_pair(got)
+        log("  rounds: " + "; ".join(f"{b} " + " / ".join(f"{t[b] * 1e3:.1f}" for t in tots)
+                                      + " ms" for b in tots[0])
+            + (f" (rounds {pair[0] + 1} and {pair[1] + 1} agree within {ROUND_AGREE:.0%}: "
+               "used)" if pair else f" (no two agree within {ROUND_AGREE:.0%}: the median of "
+               "all, reported noisy)"))
+    return combine_rounds(got)
+
+
 def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backends,
-           log=print, workers: int = 0) -> list[str]:
+           log=print, workers: int = 0, rounds: tuple[int, int] | None = None) -> list[str]:
     """Measure each backend's layer times (with `workers` processes at once, at least one per
-    core) and store them in the calibration file as records keyed by the model's content and
-    shapes; returns the records' ids."""
+    core; in rounds until two agree, `measure_rounds`) and store them in the calibration file as
+    records keyed by the model's content and shapes; returns the records' ids."""
     load_model_file(model_path)     # a missing or broken model file is told once, here
-    measured = measure_concurrently(model_path, model_args, micro_batch, seq_len, list(backends),
-                                    workers)
+    measured = measure_rounds(lambda: measure_concurrently(model_path, model_args, micro_batch,
+                                                           seq_len, list(backends), workers),
+                              rounds, log)
     sw = software_versions()
     ids = []
     for b in backends:
@@ -369,6 +460,7 @@ def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, ba
         rec = {"key": key, "host": host_info(), "cores": _cores(), "software": sw,
                "measured_at": now_str(),
                "reps": max(r["reps"] for r in res.values()),
+               "rounds": max(r.get("rounds", 1) for r in res.values()),
                "spread": record_spread(res),
                "layers": res}
         store_layer_record(rec)
@@ -376,7 +468,8 @@ def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, ba
         for kind, r in res.items():
             log(f"  {b:6s} {kind:18s} fwd {r['fwd_s'] * 1e3:8.2f} ms (spread {r['fwd_spread']:.1%})"
                 f"  bwd {r['bwd_s'] * 1e3:8.2f} ms (spread {r['bwd_spread']:.1%})"
-                f"  (micro-batch {micro_batch} x {seq_len}, {r['reps']} reps)")
+                f"  (micro-batch {micro_batch} x {seq_len}, {r['reps']} reps, "
+                f"{r.get('rounds', 1)} round(s))")
     return ids
 
 

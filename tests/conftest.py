@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("H2_CALIBRATION", str(Path(os.environ.get("TMPDIR", "/tmp")) /
                                             f"h2-test-calibration-{os.getuid()}"
                                             f"{os.environ.get('PYTEST_XDIST_WORKER', '')}.json"))
+# One measurement round per calibration (frontend/profile.py ROUNDS): no test judges how well the
+# layer times agree with a run, and rounds would double every first compile of a test model.
+# tests/test_costs.py checks the rounds themselves.
+os.environ.setdefault("H2_CALIBRATION_ROUNDS", "1")
 BIN = Path(sys.executable).parent
 
 

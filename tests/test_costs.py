@@ -14,6 +14,7 @@ import pytest
 from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.clusters.clusterfile import CATALOG_PATH, catalog_chip, catalog_names, parse_cluster
 from h2ir.costs import LayerCost
+from h2ir.errors import H2Error
 from h2ir.planner.calibration import (TIME_FORMAT, Calibration, host_info, layer_key,
                                       load_calibration, problems, record_id, save_calibration)
 from h2ir.planner.resource import (ResourceModel, analytic_llama_costs, device_capacity,
@@ -258,3 +259,72 @@ def test_every_node_group_of_a_chip_type_is_used():
     c = analytic_llama_costs("m", 4, 1024, 8, 4096, 8000, 512, dtype_bytes=2)
     assert ResourceModel(c, both).grad_allreduce_time("X", 1, 8, 1e9) > \
         ResourceModel(c, one).grad_allreduce_time("X", 1, 8, 1e9)
+
+
+# ---- measurement rounds ------------------------------------------------------------------------
+
+def _round(torch_ms, numpy_ms=None, spread=0.01):
+    out = {"torch": {"block": {"fwd_s": torch_ms / 3e3, "bwd_s": 2 * torch_ms / 3e3,
+                               "fwd_spread": spread, "bwd_spread": spread, "reps": 5}}}
+    if numpy_ms is not None:
+        out["numpy"] = {"block": {"fwd_s": numpy_ms / 3e3, "bwd_s": 2 * numpy_ms / 3e3,
+                                  "fwd_spread": spread, "bwd_spread": spread, "reps": 7}}
+    return out
+
+
+def _rounds_of(*results):
+    seq = list(results)
+    calls = []
+
+    def once():
+        calls.append(1)
+        return seq[len(calls) - 1]
+    return once, calls
+
+
+def test_rounds_repeat_until_two_agree_and_use_those_two():
+    """A whole measurement is repeated (fresh processes) until two rounds agree within 5 % on
+    every backend; the layer times are then those two rounds'. An outlier round (here 40 % slow,
+    as one process set was on this VM) does not set the plan's costs, nor make the record noisy."""
+    from frontend.profile import combine_rounds, measure_rounds
+    once, calls = _rounds_of(_round(14.0, 10.0), _round(10.0, 10.2), _round(10.2, 10.1),
+                             _round(99.0, 99.0))
+    res = measure_rounds(once, (2, 4))
+    assert len(calls) == 3                               # rounds 2 and 3 agree: stop there
+    t = res["torch"]["block"]
+    assert t["fwd_s"] + t["bwd_s"] == pytest.approx(10.1e-3)      # 10 and 10.2 ms, not 14
+    assert t["rounds"] == 3 and res["numpy"]["block"]["reps"] == 7
+    assert max(t["fwd_spread"], t["bwd_spread"]) == pytest.approx(0.2 / 10.1)
+    assert not problems(dict(_rec(), spread=t["fwd_spread"]))
+    # an early round may be the one that agrees: 1 and 3 here
+    once, calls = _rounds_of(_round(10.0), _round(13.0), _round(10.1), _round(50.0))
+    res = measure_rounds(once, (2, 4))
+    assert len(calls) == 3
+    assert res["torch"]["block"]["fwd_s"] * 3e3 == pytest.approx(10.05)
+    # two agreeing rounds at once: the fewest allowed
+    once, calls = _rounds_of(_round(10.0), _round(10.2), _round(50.0))
+    measure_rounds(once, (2, 4))
+    assert len(calls) == 2
+    # rounds that never agree stop at the most allowed: the median of all, a noisy record
+    once, calls = _rounds_of(_round(10.0), _round(13.0), _round(16.0), _round(1.0))
+    res = measure_rounds(once, (1, 3))
+    assert len(calls) == 3
+    t = res["torch"]["block"]
+    assert t["fwd_s"] * 3e3 == pytest.approx(13.0)
+    assert any(p.startswith("noisy") for p in problems(dict(_rec(), spread=t["fwd_spread"])))
+    # one round: the measurement as it came
+    assert combine_rounds([_round(10.0)])["torch"]["block"]["fwd_spread"] == 0.01
+
+
+def test_rounds_setting_is_checked(monkeypatch):
+    from frontend.profile import ROUNDS, rounds_setting
+    monkeypatch.delenv("H2_CALIBRATION_ROUNDS", raising=False)
+    assert rounds_setting() == ROUNDS
+    monkeypatch.setenv("H2_CALIBRATION_ROUNDS", "3")
+    assert rounds_setting() == (3, 3)
+    monkeypatch.setenv("H2_CALIBRATION_ROUNDS", "1,5")
+    assert rounds_setting() == (1, 5)
+    for bad in ("0", "5,2", "x", "1,2,3"):
+        monkeypatch.setenv("H2_CALIBRATION_ROUNDS", bad)
+        with pytest.raises(H2Error, match="H2_CALIBRATION_ROUNDS"):
+            rounds_setting()

@@ -33,7 +33,7 @@ File: $H2_CALIBRATION, else ~/.cache/h2/calibration.json. Format (JSON, version 
      "layer_records": {"<id>": {"key": {"model", "model_sha256", "args", "micro_batch",
                                         "seq_len", "dtype", "backend", "threads"},
                                 "host": {...}, "software": {...}, "measured_at": "...",
-                                "reps": n, "spread": max relative spread,
+                                "reps": n, "rounds": r, "spread": max relative spread,
                                 "layers": {kind: {"fwd_s", "bwd_s", "fwd_flops", "bwd_flops",
                                                   "params", "fwd_spread", "bwd_spread",
                                                   "layer"}}}}}
