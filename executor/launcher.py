@@ -97,7 +97,7 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
-    cal = build.calibration() if backends else None       # the compile's own (h2c >= 2026-12-02)
+    cal = build.calibration() if backends else None   # the compile's own (older builds: none)
     if cal is None and backends:
         cal = ensure_calibration(backends)
     if "calibration" not in m and cal is not None and "calibration_records" in m:

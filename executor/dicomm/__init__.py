@@ -45,6 +45,6 @@ from executor.dicomm.link import Frame
 from executor.dicomm.rdma import probe as rdma_probe
 from executor.dicomm.rendezvous import host_store, reserve_store
 
-__all__ = ["connect", "Comm", "CommError", "Frame", "Header", "host_store", "reserve_store", "new_secret",
-           "encode_frame", "decode_frame", "to_bf16", "from_bf16", "dtype_name", "DTYPES",
-           "TRANSPORTS", "DEFAULT_TIMEOUT", "DIGEST_IMPL", "rdma_probe", "describe_links"]
+__all__ = ["connect", "Comm", "CommError", "Frame", "Header", "host_store", "reserve_store",
+           "new_secret", "encode_frame", "decode_frame", "to_bf16", "from_bf16", "dtype_name",
+           "DTYPES", "TRANSPORTS", "DEFAULT_TIMEOUT", "DIGEST_IMPL", "rdma_probe", "describe_links"]
