@@ -45,7 +45,7 @@ BUDGET_S = 20.0           # per layer kind: stop repeating after this long
 # Whole measurements (`measure_concurrently`: fresh processes, fresh allocations, the machine as it
 # is then) are repeated too: one process set's layer times moved a prediction by 20 % against the
 # next one's on this VM, more than any set's own repetitions spread. Rounds go on until two
-# agree (every backend's total within ROUND_AGREE), at least ROUNDS[0], at most ROUNDS[1]; the
+# agree (every backend's total within ROUND_AGREE, `agreeing_pair`), at least ROUNDS[0], at most ROUNDS[1]; the
 # layer times are those two rounds' (`combine_rounds`). H2_CALIBRATION_ROUNDS="lo,hi" overrides.
 ROUNDS = (2, 4)
 ROUND_AGREE = 0.05
@@ -380,23 +380,19 @@ def _totals(res: dict) -> dict:
     return {b: sum(r["fwd_s"] + r["bwd_s"] for r in layers.values()) for b, layers in res.items()}
 
 
-def rounds_agree(a: dict, b: dict, tol: float = ROUND_AGREE) -> bool:
-    """Two rounds agree: every backend's total within `tol` of the other's."""
+def round_difference(a: dict, b: dict) -> float:
+    """The largest relative difference between two rounds' backend totals."""
     ta, tb = _totals(a), _totals(b)
-    return all(abs(ta[k] - tb[k]) <= tol * min(ta[k], tb[k]) for k in ta)
+    return max(abs(ta[k] - tb[k]) / min(ta[k], tb[k]) for k in ta)
 
 
-def agreeing_pair(rounds: list[dict]) -> tuple[int, int] | None:
-    """The two rounds that agree most closely (`rounds_agree`), or None when no two agree."""
-    best = None
-    for i in range(len(rounds)):
-        for j in range(i + 1, len(rounds)):
-            if rounds_agree(rounds[i], rounds[j]):
-                ti, tj = _totals(rounds[i]), _totals(rounds[j])
-                d = max(abs(ti[k] - tj[k]) / min(ti[k], tj[k]) for k in ti)
-                if best is None or d < best[0]:
-                    best = (d, (i, j))
-    return best[1] if best else None
+def agreeing_pair(rounds: list[dict], tol: float = ROUND_AGREE) -> tuple[int, int] | None:
+    """The two rounds that agree most closely, every backend's total within `tol` of the
+    other's, or None when no two agree."""
+    pairs = [(round_difference(rounds[i], rounds[j]), (i, j))
+             for i in range(len(rounds)) for j in range(i + 1, len(rounds))]
+    best = min(pairs, default=None)
+    return best[1] if best is not None and best[0] <= tol else None
 
 
 def combine_rounds(rounds: list[dict]) -> dict:
