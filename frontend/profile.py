@@ -45,8 +45,9 @@ BUDGET_S = 20.0           # per layer kind: stop repeating after this long
 # Whole measurements (`measure_concurrently`: fresh processes, fresh allocations, the machine as it
 # is then) are repeated too: one process set's layer times moved a prediction by 20 % against the
 # next one's on this VM, more than any set's own repetitions spread. Rounds go on until two
-# agree (every backend's total within ROUND_AGREE, `agreeing_pair`), at least ROUNDS[0], at most ROUNDS[1]; the
-# layer times are those two rounds' (`combine_rounds`). H2_CALIBRATION_ROUNDS="lo,hi" overrides.
+# agree (every backend's total within ROUND_AGREE, `agreeing_pair`), at least ROUNDS[0], at most
+# ROUNDS[1]; the layer times are those two rounds' (`combine_rounds`). H2_CALIBRATION_ROUNDS="lo,hi"
+# overrides.
 ROUNDS = (2, 4)
 ROUND_AGREE = 0.05
 
