@@ -95,13 +95,7 @@ class BuildDir:
     def stage(self, s: int) -> StageArtifacts:
         st = self.manifest["stages"][s]
         sig_path = self.path / st["signature"]
-        try:
-            sig = json.loads(read_user_file(sig_path, "stage signature"))
-        except json.JSONDecodeError as e:
-            raise H2Error(f"stage signature is not valid JSON: {e.msg}", str(sig_path), e.lineno,
-                          e.colno) from None
-        except RecursionError:
-            raise H2Error("stage signature is nested too deeply to read", str(sig_path)) from None
+        sig = _read_json(sig_path, "stage signature")
         _check_signature(sig, sig_path)
         for key in ("weights", "consts"):
             check_safetensors(self.path / st[key])
@@ -127,14 +121,7 @@ class BuildDir:
         if rel is None:
             return None
         p = self.path / rel
-        text = read_user_file(p, "calibration")
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise H2Error(f"calibration is not valid JSON: {e.msg}", str(p), e.lineno,
-                          e.colno) from None
-        except RecursionError:
-            raise too_deep(text, str(p), "calibration") from None
+        d = _read_json(p, "calibration")
         if not isinstance(d, dict):
             raise H2Error(f"calibration is not a JSON object (got {type(d).__name__})", str(p))
         cal = Calibration.from_json(d, str(p))
@@ -148,6 +135,18 @@ class BuildDir:
     def model_costs(self):
         g = load_graph(str(self.path / "model.h2ir"))
         return g.layer_costs()
+
+
+def _read_json(path: Path, what: str):
+    """A JSON file of the build, read within the size bound; bad JSON is an error naming the file
+    and the spot."""
+    text = read_user_file(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise H2Error(f"{what} is not valid JSON: {e.msg}", str(path), e.lineno, e.colno) from None
+    except RecursionError:
+        raise too_deep(text, str(path), what) from None
 
 
 # ---- checks --------------------------------------------------------------------------------------

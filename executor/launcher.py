@@ -97,13 +97,11 @@ def predicted_step_time(build: BuildDir) -> SimResult:
     cl = build.path / "cluster.toml"
     cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
     backends = measured_backends(cluster)
-    cal = build.calibration() if backends else None   # the compile's own (older builds: none)
-    if cal is None and backends:
-        cal = ensure_calibration(backends)
-    if "calibration" not in m and cal is not None and "calibration_records" in m:
-        # the layer-time records the compile predicted with (none: the per-op rates), not
-        # whichever records of other models and shapes the file also holds
-        cal = cal.select(m["calibration_records"])
+    cal = build.calibration() if backends else None   # the compile's own
+    if cal is None and backends:                      # a build of an older h2c: the host's file,
+        cal = ensure_calibration(backends)            # restricted to the records it used
+        if "calibration_records" in m:
+            cal = cal.select(m["calibration_records"])
     streams = {w: build.stream(w) for w in range(len(build.workers))}
     comm = {}                  # TP stages are timed with their programs' own collectives
     for s, st in enumerate(build.manifest["stages"]):
