@@ -9,8 +9,8 @@ Capture path: `torch.fx.symbolic_trace` first (keeps the module hierarchy per no
 module is then lowered to ATen with `make_fx` while preserving each node's module stack. Models
 symbolic_trace cannot handle (data-dependent control flow, e.g. models from popular model
 libraries) go through non-strict `torch.export`, whose graph also carries module stacks.
-Nodes are grouped into layers: nodes before the first block -> `embed`, each element of the
-model's block list -> `block.<i>` (`moe_block` with its expert shape when it holds experts and a
+Nodes are grouped into layers: nodes before the first block -> `embed`, each of the model's
+blocks (`find_blocks`: a ModuleList, a Sequential run or attribute run) -> `block.<i>` (`moe_block` with its expert shape when it holds experts and a
 router, `moe_attrs`), nodes after the last block -> `head`.
 
 The model's output is its logits: a tensor, or a tuple, dict or transformers ModelOutput holding
@@ -207,14 +207,58 @@ def parse_model_args(pairs: list[str]) -> dict:
 
 # ---- block discovery -----------------------------------------------------------------------------
 
-def find_block_list(model: nn.Module) -> str | None:
-    """Path of the ModuleList holding the repeated blocks: the one with the most parameters."""
-    best, best_n = None, -1
+def _signature(m: nn.Module) -> tuple:
+    """What makes two modules the same kind of block: class and parameter shapes."""
+    return (type(m),) + tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
+
+
+def _runs(children: list, key) -> list[list]:
+    """Maximal runs of >= 2 consecutive (name, module) children with equal `key(module)`."""
+    out, run = [], []
+    for c in children:
+        if run and key(c[1]) == key(run[-1][1]):
+            run.append(c)
+            continue
+        if len(run) >= 2:
+            out.append(run)
+        run = [c]
+    if len(run) >= 2:
+        out.append(run)
+    return out
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Module paths of the repeated blocks, in order: the candidate with the most parameters
+    among
+    * every ModuleList (its elements, whatever they are: transformers' `layers`),
+    * runs of >= 2 consecutive elements of one class in an nn.Sequential,
+    * runs of >= 2 consecutive child modules of one class and parameter shapes anywhere
+      (`self.b0, self.b1, ...`),
+    where a Sequential's or an attribute run's elements must themselves hold submodules (a block,
+    not three Linears side by side) and parameters. Expert lists are never the blocks."""
+    best, best_n = [], -1
+
+    def consider(prefix: str, members: list):
+        nonlocal best, best_n
+        n = sum(p.numel() for _, m in members for p in m.parameters())
+        if n > best_n:
+            best, best_n = [f"{prefix}{name}" for name, _ in members], n
+
+    def composite(m: nn.Module) -> bool:
+        return any(True for _ in m.children()) and any(True for _ in m.parameters())
+
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and "expert" not in name.split(".")[-1]:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = name, n
+        if "expert" in name.split(".")[-1]:
+            continue
+        prefix = f"{name}." if name else ""
+        children = list(m.named_children())
+        if isinstance(m, nn.ModuleList):
+            if children:
+                consider(prefix, children)
+            continue
+        key = type if isinstance(m, nn.Sequential) else _signature
+        for run in _runs([c for c in children if composite(c[1])], key):
+            consider(prefix, run)
     return best
 
 
@@ -359,15 +403,15 @@ class LayerGrouper:
     """Maps each ATen node to its pipeline layer by the block list and the module stack."""
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule):
-        self.blocks = find_block_list(model)
-        self.n_blocks = len(model.get_submodule(self.blocks)) if self.blocks else 0
+        self.blocks = find_blocks(model)
+        self.n_blocks = len(self.blocks)
+        self.block_index = {path: i for i, path in enumerate(self.blocks)}
         self.kinds = {}
         topks = _traced_topks(gm)
-        for i in range(self.n_blocks):
-            attrs = moe_attrs(model.get_submodule(self.blocks)[i],
-                              _traced_top_k(topks, f"{self.blocks}.{i}")) if self.blocks else None
-            self.kinds[i] = ("moe_block", {"module": f"{self.blocks}.{i}", **attrs}) if attrs else \
-                ("transformer_block", {"module": f"{self.blocks}.{i}"})
+        for i, path in enumerate(self.blocks):
+            attrs = moe_attrs(model.get_submodule(path), _traced_top_k(topks, path))
+            self.kinds[i] = ("moe_block", {"module": path, **attrs}) if attrs else \
+                ("transformer_block", {"module": path})
         # index of each call node; first/last node inside any block
         self.block_of: dict[str, int] = {}
         for node in gm.graph.nodes:
@@ -400,15 +444,12 @@ class LayerGrouper:
             self.assign[node.name] = (f"block.{current}", kind, attrs)
 
     def _block(self, node) -> int | None:
-        if not self.blocks:
-            return None
-        prefix = self.blocks + "."
         for v in (node.meta.get("nn_module_stack") or {}).values():
-            p = module_path(v[0])
-            if p.startswith(prefix):
-                idx = p[len(prefix):].split(".")[0]
-                if idx.isdigit():
-                    return int(idx)
+            parts = module_path(v[0]).split(".")
+            for j in range(1, len(parts) + 1):
+                i = self.block_index.get(".".join(parts[:j]))
+                if i is not None:
+                    return i
         return None
 
     def __call__(self, node) -> tuple:

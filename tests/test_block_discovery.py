@@ -1,0 +1,121 @@
+"""Which modules are a model's pipeline blocks (frontend/capture.py `find_blocks`): a ModuleList,
+a run of one class in an nn.Sequential, or a run of same-shaped child modules held as attributes
+(`self.b0, self.b1`). A model whose blocks are not in a ModuleList is split into layers as well,
+and trains like eager on two stages."""
+import json
+import textwrap
+
+import torch.nn as nn
+
+from conftest import run_cli
+from frontend.capture import capture, find_blocks
+
+# One model file, three ways of holding the blocks (`--arg hold=list|seq|attrs`); einsum
+# attention under a torch.where mask, bias-carrying linears, a custom loss.
+MODEL = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.h = h
+            self.ln1 = nn.LayerNorm(d); self.ln2 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d); self.o = nn.Linear(d, d)
+            self.fc1 = nn.Linear(d, 2 * d); self.fc2 = nn.Linear(2 * d, d)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (t.reshape(b, s, self.h, d // self.h) for t in (q, k, v))
+            att = torch.einsum("bqhd,bkhd->bhqk", q, k) / (d // self.h) ** 0.5
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = torch.where(causal, att, torch.finfo(att.dtype).min).softmax(-1)
+            y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+            x = x + self.o(y)
+            return x + self.fc2(F.silu(self.fc1(self.ln2(x))))
+
+    class LM(nn.Module):
+        def __init__(self, hold, vocab=256, d=32, layers=3, h=4):
+            super().__init__()
+            self.hold = hold
+            self.emb = nn.Embedding(vocab, d)
+            blocks = [Block(d, h) for _ in range(layers)]
+            if hold == "list":
+                self.blocks = nn.ModuleList(blocks)
+            elif hold == "seq":
+                self.blocks = nn.Sequential(*blocks)
+            else:
+                for i, b in enumerate(blocks):
+                    setattr(self, f"b{i}", b)
+            self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab))
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            if self.hold == "attrs":
+                x = self.b2(self.b1(self.b0(x)))
+            elif self.hold == "seq":
+                x = self.blocks(x)
+            else:
+                for b in self.blocks:
+                    x = b(x)
+            return self.out(x)
+
+    def build_model(hold="list"):
+        return LM(hold)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+''')
+
+
+class _Leafy(nn.Module):
+    """Three same-shaped Linears side by side and one composite block: the Linears are not blocks."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+
+class _Mixed(nn.Module):
+    """Attribute runs break at a change of class or of parameter shapes."""
+    def __init__(self):
+        super().__init__()
+        mk = lambda d: nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))  # noqa: E731
+        self.x0, self.x1, self.y0, self.x2 = mk(16), mk(16), mk(24), mk(16)
+
+
+def test_blocks_are_found_in_a_list_a_sequential_and_attributes(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(MODEL)
+    want = {"list": [f"blocks.{i}" for i in range(3)], "seq": [f"blocks.{i}" for i in range(3)],
+            "attrs": ["b0", "b1", "b2"]}
+    for hold, paths in want.items():
+        names = [l.name for l in capture(str(path), {"hold": hold}, 1, 16).layers]
+        assert names == ["embed", "block.0", "block.1", "block.2", "head"], (hold, names)
+        kinds = [l.kind for l in capture(str(path), {"hold": hold}, 1, 16).layers]
+        assert kinds[1:4] == ["transformer_block"] * 3
+    # the head's Sequential (LayerNorm, Linear) is no block run: its elements differ in class
+    assert find_blocks(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4096))) == []
+    assert find_blocks(_Leafy()) == []
+    assert find_blocks(_Mixed()) == ["x0", "x1"]
+
+
+def test_attribute_blocks_train_like_eager_on_two_stages(tmp_path):
+    from executor.reference import eager_losses
+    model = tmp_path / "m.py"
+    model.write_text(MODEL)
+    plan = tmp_path / "p.h2plan"
+    plan.write_text(f'model "{model}"\ncluster "local-numpy"\nbatch global=4 micro=2 seq=16\n'
+                    "schedule 1f1b\ndp 1\n"
+                    "stage chip=cpu-numpy chips=1 tp=1 layers=embed, block.0, block.1\n"
+                    "stage chip=cpu-numpy chips=1 tp=1 layers=block.2, head\n")
+    build = tmp_path / "build"
+    r = run_cli("h2c", "compile", str(model), "--arg", "hold=attrs", "--plan", str(plan),
+                "-o", str(build))
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "log.jsonl"
+    r = run_cli("h2x", "run", str(build), "--steps", "4", "--json-log", str(log))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    ref = eager_losses(str(build), 4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
