@@ -805,11 +805,13 @@ class Capture:
 
     def constants(self, model: nn.Module, names) -> dict:
         """{name: tensor} for the programs' constant inputs `names`, from `model` (built for
-        real): its buffers, and the tensors torch.export lifted out of the forward (the index
-        tensor of `x[..., [-2], :]`, a `torch.tensor(...)` in the code). The capture ran on the
-        meta device, where those have no values, so when one is asked for, the real model is
-        exported once more on the CPU to read them."""
+        real): its buffers and frozen parameters, and the tensors torch.export lifted out of the
+        forward (the index tensor of `x[..., [-2], :]`, a `torch.tensor(...)` in the code). The
+        capture ran on the meta device, where those have no values, so when one is asked for, the
+        real model is exported once more on the CPU to read them."""
         out = {k: v for k, v in model.named_buffers(remove_duplicate=False) if k in names}
+        out.update({k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)
+                    if k in names and not v.requires_grad})
         missing = [k for k in names if k not in out]
         if missing and self.how == "torch.export":
             g = self.graph.attrs
@@ -896,6 +898,11 @@ def trace_model(path: str, model_args: dict | None = None, micro_batch: int = 1,
         example = mf.example_inputs(micro_batch, seq_len)
     example = tuple(e.to("meta") if isinstance(e, torch.Tensor) else e for e in example)
     agm, pmap, bmap, imap, how = trace_aten(model, example, path)
+    # a frozen parameter (requires_grad=False: a fine-tune's embedding) is a constant of the
+    # programs, like a buffer: no gradient, no optimizer state, no all-reduce, never updated
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    for k in [k for k, fqn in pmap.items() if fqn in frozen]:
+        bmap[k] = pmap.pop(k)
     picked = _pick_graph_output(agm, model, path)
     names = _input_names(model, len(imap))
     imap = {k: names[i] for i, k in enumerate(imap)}
