@@ -67,6 +67,16 @@ class ModelFile:
         if not isinstance(model, nn.Module):
             raise H2Error(f"build_model() returned {_describe(model)}, not a torch.nn.Module",
                           self.path, _first_line(fn))
+        other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
+        if other:
+            n, dt = other[0]
+            raise H2Error(
+                f"build_model() returned a model with {str(dt).replace('torch.', '')} parameters "
+                f"({n}{f' and {len(other) - 1} more' if len(other) > 1 else ''}); expected float32",
+                self.path, _first_line(fn),
+                hint="h2 keeps parameters, gradients and optimizer state in float32 and computes "
+                     "in the cluster's dtype (`dtype = \"bf16\"` in the cluster file runs matmuls "
+                     "and attention in bf16): build the model in float32")
         return model
 
     def example_inputs(self, micro_batch: int, seq_len: int) -> tuple:

@@ -146,6 +146,13 @@ def test_bad_model_files_are_clean_errors(tmp_path):
     g.write_text("x = 1\n")
     r = run_cli("h2c", "ir", str(g))
     assert r.returncode == 2 and "build_model" in r.stderr
+    h = tmp_path / "half.py"
+    h.write_text("import torch.nn as nn\n\n"
+                 "def build_model():\n"
+                 "    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16)).half()\n")
+    r = run_cli("h2c", "ir", str(h))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "half.py:3" in r.stderr and "float16 parameters" in r.stderr and "float32" in r.stderr
 
 
 def test_cli_ir_file_round_trip(tmp_path):
