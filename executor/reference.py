@@ -39,13 +39,14 @@ def eager_losses(build_path: str, steps: int, data: str | None = None, threads: 
     n = m["dp"] * m["num_microbatches"]
     from frontend.moe import set_aux_loss_scale
     set_aux_loss_scale(1.0 / n)          # routers' auxiliary losses weighted like the loss
+    fixed = mf.fixed_inputs(m["micro_batch"], m["seq_len"])   # inputs after the token ids
     losses = []
     for step in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for tokens, targets in batches.global_batch(step):
-            out = model(torch.from_numpy(tokens))
+            out = model(torch.from_numpy(tokens), *fixed)
             loss = loss_fn(out, torch.from_numpy(targets))
             (loss / n).backward()
             total += loss.item()

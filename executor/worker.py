@@ -90,6 +90,10 @@ class Worker(StreamInterpreter):
         from safetensors.numpy import load_file
         self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(weights)).items()}
         self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.consts)).items()}
+        missing = [k for k in self.sig.get("fixed_inputs", []) if k not in self.consts]
+        if missing:       # the model inputs after the token ids live with stage 0's constants
+            raise H2Error(f"stage {self.stage_idx}'s constants lack the model input {missing[0]}",
+                          str(st.consts), hint="recompile the build with `h2c compile`")
         self.param_names = list(self.sig["params"])
         # tied parameters (h2ir/schedule/streams.py): copies held here are updated by their owner
         tied = build.manifest["stages"][self.stage_idx].get("tied") or {}

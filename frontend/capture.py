@@ -85,6 +85,12 @@ class ModelFile:
             return tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
         return (torch.zeros(micro_batch, seq_len, dtype=torch.long),)
 
+    def fixed_inputs(self, micro_batch: int, seq_len: int) -> list:
+        """The model's inputs after the token ids, for real (CPU): what `example_inputs`
+        returns for them, the same for every micro-batch (position ids, an all-ones mask)."""
+        ex = self.example_inputs(micro_batch, seq_len)
+        return [e.detach().cpu().contiguous() for e in ex[1:] if isinstance(e, torch.Tensor)]
+
     def loss_fn(self):
         """The loss of the last stage: the model file's `loss_fn` (default: next-token
         cross-entropy) applied to the model's logits, picked from its output by
@@ -812,6 +818,32 @@ class Capture:
     layer_of: "LayerGrouper"
     graph: Graph
     how: str                # 'symbolic_trace' or 'torch.export'
+
+    def fixed_inputs(self) -> dict:
+        """{input name: tensor} of the model inputs after the first (the token ids, which the
+        data feeds): `ModelFile.fixed_inputs` at the capture's micro-batch and sequence length,
+        checked against the captured input types. The compiler stores them with stage 0's
+        constants."""
+        names = list(self.inputs)[1:]
+        if not names:
+            return {}
+        g = self.graph.attrs
+        values = self.model_file.fixed_inputs(int(g.get("micro_batch", 1)), int(g.get("seq_len", 1)))
+        types = {v.name: v.type for v in self.graph.inputs}
+        fn = getattr(self.model_file.module, "example_inputs", None)
+        if len(values) != len(names):
+            raise H2Error(f"example_inputs() gave {len(values) + 1} tensor inputs but the "
+                          f"model's graph takes {len(names) + 1}", self.model_file.path,
+                          _first_line(fn) if fn else None)
+        out = {}
+        for k, v in zip(names, values):
+            want = types.get(self.inputs[k])
+            if want is not None and tuple(v.shape) != tuple(want.shape):
+                raise H2Error(f"example_inputs() returned {self.inputs[k]} of shape "
+                              f"{list(v.shape)} on the CPU but {list(want.shape)} on the meta "
+                              "device", self.model_file.path, _first_line(fn) if fn else None)
+            out[k] = v
+        return out
 
     def constants(self, model: nn.Module, names) -> dict:
         """{name: tensor} for the programs' constant inputs `names`, from `model` (built for

@@ -563,8 +563,10 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
                                                             p.sharding.get(k), p.tp, r))
                        for k in p.params},
                       str(out / f"weights/stage{p.index}.tp{r}.safetensors"))
-        save_file({k: buffers[k].detach().numpy().copy() for k in p.consts},
-                  str(out / f"weights/stage{p.index}.consts.safetensors"))
+        consts = {k: buffers[k].detach().numpy().copy() for k in p.consts}
+        if p.fixed_inputs:             # the model inputs after the token ids (stage 0)
+            consts.update({k: v.numpy().copy() for k, v in cap.fixed_inputs().items()})
+        save_file(consts, str(out / f"weights/stage{p.index}.consts.safetensors"))
 
 
 def _has_experts_modules(model) -> bool:

@@ -109,6 +109,8 @@ def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> l
             dev[k] = be.from_numpy(np.ascontiguousarray(table[k]), dtype_of_host(table[k].dtype))
         return dev[k]
 
+    fixed = {k: be.from_numpy(v.numpy(), dtype_of_host(v.numpy().dtype))
+             for k, v in cap.fixed_inputs().items()}
     vocab = max(2, int(cap.graph.attrs.get("vocab", 256) or 256))
     rng = np.random.default_rng(seed)
     acts: dict = {}
@@ -120,6 +122,8 @@ def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> l
         for k in p.inputs:
             if k in acts:
                 env[k] = acts[k]
+            elif k in fixed:                   # a model input after the token ids
+                env[k] = fixed[k]
             else:                              # a model input: token ids (or a float input)
                 t = types[k]
                 env[k] = be.from_numpy(rng.integers(0, vocab, size=t.shape).astype(np.int64), "i64") \

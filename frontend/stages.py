@@ -49,6 +49,9 @@ class StageProgram:
     # sparse MoE (frontend/moe.py): {'ep', 'capacity_factor', 'experts': {module path:
     # {'experts', 'params', 'placement'}}}, set by the compiler; None for a plan without 'moe'
     moe: dict | None = None
+    # stage 0: the model inputs after the token ids (`Capture.fixed_inputs`), whose values the
+    # compiler stores with the stage's constants
+    fixed_inputs: list = field(default_factory=list)
 
     def meta(self) -> dict:
         m = {k: getattr(self, k) for k in (
@@ -59,6 +62,8 @@ class StageProgram:
             m["sharding"] = {k: {"kind": v.kind, "dim": v.dim} for k, v in self.sharding.items()}
         if self.moe:
             m["moe"] = self.moe
+        if self.fixed_inputs:
+            m["fixed_inputs"] = self.fixed_inputs
         return m
 
 
@@ -580,7 +585,7 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
             input_types={k: str(v) for k, v in in_types.items()},
             output_types=info["output_types"], tp=tp[s],
             sharding={k: sharding[k] for k in info["params"] if k in sharding} if tp[s] > 1
-            else {}))
+            else {}, fixed_inputs=list(cap.inputs)[1:] if s == 0 else []))
     return progs
 
 
