@@ -221,14 +221,14 @@ def _read_inputs(cluster_arg: str, plan_arg: str, global_batch, micro_batch, seq
 
 
 def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search, dry_run, log,
-                      time_limit=None):
+                      time_limit=None, measure=False):
     """Trace the model, then plan it (search/uniform) or take the plan file; retrace at the
     plan's micro-batch if the search chose another. Also returns the calibration used."""
     mb_trace = inp.micro_batch or 1
     log(f"capturing {model_path} (meta device) ...")
     load_model_file(model_path)     # a missing or broken model file is told before any measuring
     cal = None
-    if inp.plan is None:      # the search ranks plans with this model's measured layer times
+    if inp.plan is None or measure:   # the search ranks plans by this model's measured layer times
         cal = ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
     cal = cal or cluster_calibration(inp.cluster)
     cap = trace_model(model_path, model_args, mb_trace, inp.seq_len)
@@ -468,14 +468,14 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
                   plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
                   seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
                   schedule: str = "1f1b", search: str = "heuristic", log=print,
-                  time_limit: float | None = None) -> BuildResult:
+                  time_limit: float | None = None, measure: bool = False) -> BuildResult:
     t0 = time.perf_counter()
     model_args = model_args or {}
     _check_output_dir(Path(out_dir))    # before capture: a bad -o fails in a second, not a minute
     inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
     cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, schedule=schedule,
                                               search=search, dry_run=dry_run, log=log,
-                                              time_limit=time_limit)
+                                              time_limit=time_limit, measure=measure)
     cluster = inp.cluster
     out = _prepare_build_dir(out_dir, dry_run)
     log(f"building forward/backward programs for {len(plan.stages)} stage(s) "
@@ -514,6 +514,9 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
+    if sim.estimate_note():
+        log(f"note: {sim.estimate_note()}; `h2c compile --measure` (or `--plan auto`) measures "
+            "them")
     return BuildResult(out, plan, progs, time.perf_counter() - t0, sim)
 
 
@@ -658,11 +661,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-o", "--output", default="build")
     ap.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the plan search after SECONDS with the best plan found so far")
+    ap.add_argument("--measure", action="store_true",
+                    help="with a plan file: measure this model's layer times on the cluster's "
+                         "measured backends first, as --plan auto does, so the prediction uses "
+                         "them (without: stored ones, else a FLOP estimate)")
     a = ap.parse_args(argv)
     res = compile_model(a.model, model_args=parse_model_args(a.arg), cluster_arg=a.cluster,
                         plan_arg=a.plan, global_batch=a.global_batch, micro_batch=a.micro_batch,
                         seq_len=a.seq_len, out_dir=a.output, dry_run=a.dry_run, seed=a.seed,
-                        schedule=a.schedule, search=a.search, time_limit=a.time_limit)
+                        schedule=a.schedule, search=a.search, time_limit=a.time_limit,
+                        measure=a.measure)
     for st, p in zip(res.plan.stages, res.stages):
         print(f"  stage {p.index}: {st.chip} ({st.chips} chip(s), tp={st.tp}) layers "
               f"{p.layers[0]}..{p.layers[-1]}: {sum(1 for _ in p.fwd.nodes())} fwd / "

@@ -119,3 +119,25 @@ def test_attribute_blocks_train_like_eager_on_two_stages(tmp_path):
     got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     ref = eager_losses(str(build), 4)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
+def test_hand_plan_prediction_says_when_layer_times_are_a_flop_estimate(tmp_path):
+    """A plan file on a measured cluster predicts from stored layer times, else from FLOPs; the
+    compile says which, and `--measure` measures them as `--plan auto` does."""
+    model = tmp_path / "m.py"
+    model.write_text(MODEL)
+    plan = tmp_path / "p.h2plan"
+    plan.write_text(f'model "{model}"\ncluster "local"\nbatch global=2 micro=1 seq=16\n'
+                    "schedule 1f1b\ndp 1\n"
+                    "stage chip=cpu-torch chips=1 tp=1 layers=embed, block.0, block.1\n"
+                    "stage chip=cpu-torch chips=1 tp=1 layers=block.2, head\n")
+    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "-o", str(tmp_path / "b1"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "all 5 layers' times are a FLOP estimate" in out and "--measure" in out
+    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "--measure",
+                "-o", str(tmp_path / "b2"))
+    assert r.returncode == 0, r.stderr
+    assert "FLOP estimate" not in r.stdout + r.stderr
+    m = json.loads((tmp_path / "b2/manifest.json").read_text())
+    assert m["calibration_records"]          # the prediction's measured layer records

@@ -755,6 +755,8 @@ class ResourceModel:
         self._rates: dict = {}
         self._times: dict = {}
         self._cals: dict = {}
+        # (chip, layer name) of `measured` chips timed by the FLOP estimate: no measured record
+        self.estimated: set = set()
         self._placements: dict = {}
 
     def placement(self, shapes, dp: int) -> LinePlacement:
@@ -812,6 +814,7 @@ class ResourceModel:
                 b_c = mm_b / tp + (measured[1] - mm_b)
             elif r.source == "measured":
                 # a measured chip without a record of this layer: FLOPs / measured matmul rate
+                self.estimated.add((chip, l.name))
                 f_c = l.fwd_flops / (tp * r.flops)
                 b_c = l.bwd_flops / (tp * r.flops)
             else:
