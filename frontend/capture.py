@@ -10,8 +10,9 @@ module is then lowered to ATen with `make_fx` while preserving each node's modul
 symbolic_trace cannot handle (data-dependent control flow, e.g. models from popular model
 libraries) go through non-strict `torch.export`, whose graph also carries module stacks.
 Nodes are grouped into layers: nodes before the first block -> `embed`, each of the model's
-blocks (`find_blocks`: a ModuleList, a Sequential run or attribute run) -> `block.<i>` (`moe_block` with its expert shape when it holds experts and a
-router, `moe_attrs`), nodes after the last block -> `head`.
+blocks (`find_blocks`: a ModuleList, a Sequential run or an attribute run) -> `block.<i>`
+(`moe_block` with its expert shape when it holds experts and a router, `moe_attrs`), nodes after
+the last block -> `head`.
 
 The model's output is its logits: a tensor, or a tuple, dict or transformers ModelOutput holding
 them (`pick_logits`); the IR header's `model_output` says which part was taken. What the model
@@ -244,8 +245,7 @@ def _runs(children: list, key) -> list[list]:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """Module paths of the repeated blocks, in order: the candidate with the most parameters
-    among
+    """Module paths of the repeated blocks, in order: the candidate with the most parameters among
     * every ModuleList (its elements, whatever they are: transformers' `layers`),
     * runs of >= 2 consecutive elements of one class in an nn.Sequential,
     * runs of >= 2 consecutive child modules of one class and parameter shapes anywhere
@@ -828,7 +828,8 @@ class Capture:
         if not names:
             return {}
         g = self.graph.attrs
-        values = self.model_file.fixed_inputs(int(g.get("micro_batch", 1)), int(g.get("seq_len", 1)))
+        values = self.model_file.fixed_inputs(int(g.get("micro_batch", 1)),
+                                              int(g.get("seq_len", 1)))
         types = {v.name: v.type for v in self.graph.inputs}
         fn = getattr(self.model_file.module, "example_inputs", None)
         if len(values) != len(names):

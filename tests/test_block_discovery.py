@@ -69,7 +69,7 @@ MODEL = textwrap.dedent('''
 
 
 class _Leafy(nn.Module):
-    """Three same-shaped Linears side by side and one composite block: the Linears are not blocks."""
+    """Three same-shaped Linears side by side and one composite module: none is a block."""
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
