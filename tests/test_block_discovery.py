@@ -4,6 +4,7 @@ a run of one class in an nn.Sequential, or a run of same-shaped child modules he
 and trains like eager on two stages."""
 import json
 import textwrap
+import time
 
 import torch.nn as nn
 
@@ -125,7 +126,8 @@ def test_hand_plan_prediction_says_when_layer_times_are_a_flop_estimate(tmp_path
     """A plan file on a measured cluster predicts from stored layer times, else from FLOPs; the
     compile says which, and `--measure` measures them as `--plan auto` does."""
     model = tmp_path / "m.py"
-    model.write_text(MODEL)
+    # records are keyed by the model file's content: a fresh one has none stored yet
+    model.write_text(MODEL + f"# {time.time_ns()}\n")
     plan = tmp_path / "p.h2plan"
     plan.write_text(f'model "{model}"\ncluster "local"\nbatch global=2 micro=1 seq=16\n'
                     "schedule 1f1b\ndp 1\n"
