@@ -3,8 +3,8 @@ a run of one class in an nn.Sequential, or a run of same-shaped child modules he
 (`self.b0, self.b1`). A model whose blocks are not in a ModuleList is split into layers as well,
 and trains like eager on two stages."""
 import json
+import os
 import textwrap
-import time
 
 import torch.nn as nn
 
@@ -126,19 +126,27 @@ def test_hand_plan_prediction_says_when_layer_times_are_a_flop_estimate(tmp_path
     """A plan file on a measured cluster predicts from stored layer times, else from FLOPs; the
     compile says which, and `--measure` measures them as `--plan auto` does."""
     model = tmp_path / "m.py"
-    # records are keyed by the model file's content: a fresh one has none stored yet
-    model.write_text(MODEL + f"# {time.time_ns()}\n")
+    model.write_text(MODEL)
+    # stored records serve any layer of the same kind, shape and FLOPs: start from a calibration
+    # file with the backends' rates only (measured once, not again here)
+    from backends.calibrate import ensure_calibration
+    from h2ir.planner.calibration import Calibration, save_calibration
+    cal = ensure_calibration(["torch"])
+    own = Calibration.from_json({**cal.to_json(), "layer_records": {}})
+    save_calibration(own, tmp_path / "cal.json")
+    env = {**os.environ, "H2_CALIBRATION": str(tmp_path / "cal.json")}
     plan = tmp_path / "p.h2plan"
     plan.write_text(f'model "{model}"\ncluster "local"\nbatch global=2 micro=1 seq=16\n'
                     "schedule 1f1b\ndp 1\n"
                     "stage chip=cpu-torch chips=1 tp=1 layers=embed, block.0, block.1\n"
                     "stage chip=cpu-torch chips=1 tp=1 layers=block.2, head\n")
-    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "-o", str(tmp_path / "b1"))
+    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "-o", str(tmp_path / "b1"),
+                env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "all 5 layers' times are a FLOP estimate" in out and "--measure" in out
     r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "--measure",
-                "-o", str(tmp_path / "b2"))
+                "-o", str(tmp_path / "b2"), env=env)
     assert r.returncode == 0, r.stderr
     assert "FLOP estimate" not in r.stdout + r.stderr
     m = json.loads((tmp_path / "b2/manifest.json").read_text())
