@@ -288,7 +288,7 @@ UNARY_DRAW = {"neg": "normal", "exp": "normal", "log": "positive", "sqrt": "posi
               "rsqrt": "positive", "tanh": "wide", "sigmoid": "wide", "relu": "normal",
               "silu": "wide", "abs": "normal", "reciprocal": "nonzero",
               "sin": "wide", "cos": "wide", "logical_not": "bool", "copy": "normal",
-              "log1p": "positive", "expm1": "normal"}
+              "log1p": "positive", "expm1": "normal", "erf": "wide", "atan": "wide"}
 
 SPECS: dict[str, Callable[[Draw], list[Case]]] = {n: _unary_cases(d) for n, d in UNARY_DRAW.items()}
 SPECS.update({
@@ -306,6 +306,21 @@ SPECS.update({
                                      Arg(r.rng.integers(1, 50, 128), "i64")]),
                                Case([r.normal(64, 128, scale=4.0), r.away_from_zero(128)]),
                                Case([Arg(r.rng.integers(-1000, 1000, 256), "i64"), 3])],
+    **{n: (lambda r: [Case([Arg(r.rng.integers(-1000, 1000, (64, 128)), "i64"),
+                            Arg(r.rng.integers(1, 50, 128) * r.rng.choice([-1, 1], 128), "i64")]),
+                      Case([r.normal(64, 128, scale=4.0), r.away_from_zero(128)]),
+                      Case([r.normal(256, scale=4.0), 1.5]),
+                      Case([Arg(r.rng.integers(-1000, 1000, 256), "i64"), 7])])
+       for n in ("remainder", "fmod")},
+    "sign": lambda r: [Case([Arg(np.where(r.rng.random((64, 128)) < 0.1, 0.0,
+                                          r.rng.standard_normal((64, 128))))]),
+                       Case([Arg(r.rng.integers(-3, 4, 256), "i64")])],
+    "argmax": lambda r: [Case([r.distinct(8, 64)], {"dim": 1}),
+                         Case([r.distinct(32, 6, dim=0)], {"dim": 0, "keepdim": True}),
+                         Case([r.ids(4, 8, 16)], {"dim": -1}),          # ties: the first
+                         Case([r.distinct(64)], {"dim": None})],
+    "flip": lambda r: [Case([r.normal(8, 16, 32)], {"dims": [2]}),
+                       Case([r.normal(8, 16, 32)], {"dims": [0, 1]})],
     "cumsum": lambda r: [Case([r.normal(8, 16, 32)], {"dim": 1}),
                          Case([r.mask(4, 64)], {"dim": -1}),
                          Case([r.ids(100, 4, 64)], {"dim": 0, "dtype": "i32"})],
@@ -466,6 +481,11 @@ REFERENCE: dict[str, Callable] = {
     "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
     "cos": torch.cos, "logical_not": torch.logical_not, "copy": torch.clone,
     "bitwise_not": torch.bitwise_not, "log1p": torch.log1p, "expm1": torch.expm1,
+    "erf": torch.erf, "atan": torch.atan, "sign": torch.sign,
+    "remainder": lambda a, b: torch.remainder(*_as_tensors(a, b)),
+    "fmod": lambda a, b: torch.fmod(*_as_tensors(a, b)),
+    "argmax": lambda x, dim, keepdim: torch.argmax(x, dim=dim, keepdim=keepdim),
+    "flip": lambda x, dims: torch.flip(x, dims),
     "cast": lambda x, dtype: x.to(_ref_dtype(dtype)),
     "pow": lambda x, exponent: torch.pow(x, exponent),
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,

@@ -7,6 +7,7 @@ module path and the model source line.
 """
 from __future__ import annotations
 
+import math
 import operator
 import zlib
 import re
@@ -276,6 +277,13 @@ def _like(value):
     return f
 
 
+def _new_full(em, x, size, value, _out=None, **kwargs):
+    return em("full", shape=list(_out.shape), value=value, dtype=h2_dtype(_out.dtype))
+
+
+_new_full.wants_out = True
+
+
 def _scalar_tensor(em, s, *args, _out=None, **kwargs):
     return em("full", shape=[], value=s, dtype=h2_dtype(_out.dtype))
 
@@ -514,6 +522,59 @@ def _layer_norm_bwd(em, g, x, shape, mean, rstd, weight, bias, output_mask):
     return em("layer_norm_bwd", g, x, mean, rstd, weight, bias, normalized_ndim=len(shape))
 
 
+def _var_mean(em, x, dims, correction, keepdim):
+    """(variance, mean) over dims (None: all) with `correction` (1: Bessel's): the two-pass
+    form, mean first, then the mean square deviation. Its backward, as AOTAutograd records it,
+    is elementwise ops and a mean."""
+    rank = x.type.rank
+    ds = list(range(rank)) if dims is None else _dims(dims, rank)
+    n = math.prod(x.type.shape[d] for d in ds) if ds else 1
+    m = em("mean", x, dims=ds, keepdim=True)
+    dev = em("sub", x, m)
+    var = em("div", em("sum", em("mul", dev, dev), dims=ds, keepdim=bool(keepdim)),
+             float(n - correction))
+    return var, (m if keepdim else em("reshape", m, shape=_shape(var)))
+
+
+def _var(std: bool, with_mean: bool = False, form: str = "correction"):
+    """aten.var / std / var_mean / std_mean in their `correction`, `dim` (unbiased) and
+    default forms."""
+    def f(em, x, *args, **kwargs):
+        if form == "correction":
+            dims = args[0] if args else kwargs.get("dim")
+            c = kwargs.get("correction")
+            corr, keepdim = (1 if c is None else c), kwargs.get("keepdim", False)
+        elif form == "dim":
+            a = list(args) + [None] * 3
+            dims = a[0] if args else kwargs.get("dim")
+            unbiased = kwargs.get("unbiased", True if a[1] is None else a[1])
+            corr, keepdim = int(bool(unbiased)), kwargs.get("keepdim", a[2] or False)
+        else:
+            dims, corr, keepdim = None, int(bool(args[0] if args else kwargs.get("unbiased", True))), False
+        v, m = _var_mean(em, x, dims, corr, keepdim)
+        if std:
+            v = em("sqrt", v)
+        return (v, m) if with_mean else v
+    return f
+
+
+def _log_sigmoid_fwd(em, x):
+    """(log sigmoid(x), buffer): min(x, 0) - log1p(e^-|x|), which never overflows. The buffer
+    is what ATen's CPU kernel keeps for its backward, which this backward does not read: x
+    stands in (its shape, no new tensor)."""
+    out = em("sub", em("minimum", x, 0.0), em("log1p", em("exp", em("neg", em("abs", x)))))
+    return out, x
+
+
+def _mish_bwd(em, g, x):
+    """grad * d/dx x tanh(softplus(x)) = grad * (t + x sigmoid(x) (1 - t^2)), t = tanh(softplus x);
+    softplus(x) = max(x, 0) + log1p(e^-|x|). (ATen's own decomposition writes into a copy.)"""
+    sp = em("add", em("maximum", x, 0.0), em("log1p", em("exp", em("neg", em("abs", x)))))
+    t = em("tanh", sp)
+    d = em("add", t, em("mul", em("mul", x, em("sigmoid", x)), em("sub", 1.0, em("mul", t, t))))
+    return em("mul", g, d)
+
+
 def _gelu(em, x, approximate="none"):
     return em("gelu", x, approximate=approximate)
 
@@ -702,14 +763,33 @@ ATEN: dict = {
     aten.empty_like.default: _like(0.0), aten.new_empty.default: _like(0.0),
     aten.empty.memory_format: _like(0.0), aten.new_empty_strided.default: _like(0.0),
     aten.empty_strided.default: _like(0.0),
-    aten.new_full.default: lambda em, x, size, value, _out=None, **k: em(
-        "full", shape=list(_out.shape), value=value, dtype=h2_dtype(_out.dtype)),
+    aten.new_full.default: _new_full,
     aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
     aten.tril.default: lambda em, x, diagonal=0: em("tril", x, diagonal=diagonal),
     aten.topk.default: _topk,
     aten.max.dim: _max_dim(True), aten.min.dim: _max_dim(False),
     aten.one_hot.default: _one_hot,
     aten.gelu.default: _gelu,
+    aten.sgn.default: _unary("sign"),
+    aten.remainder.Tensor: _binary("remainder"), aten.remainder.Scalar: _binary("remainder"),
+    aten.remainder.Scalar_Tensor: _binary("remainder"),
+    aten.fmod.Tensor: _binary("fmod"), aten.fmod.Scalar: _binary("fmod"),
+    aten.argmax.default: lambda em, x, dim=None, keepdim=False: em(
+        "argmax", x, dim=None if dim is None else dim % x.type.rank, keepdim=bool(keepdim)),
+    aten.flip.default: lambda em, x, dims: em("flip", x, dims=[d % x.type.rank for d in dims]),
+    aten.var.correction: _var(False), aten.var.dim: _var(False, form="dim"),
+    aten.var.default: _var(False, form="default"),
+    aten.std.correction: _var(True), aten.std.dim: _var(True, form="dim"),
+    aten.std.default: _var(True, form="default"),
+    aten.var_mean.correction: _var(False, True), aten.std_mean.correction: _var(True, True),
+    aten.hypot.default: lambda em, a, b: em("sqrt", em("add", em("mul", a, a), em("mul", b, b))),
+    aten.log2.default: lambda em, x: em("mul", em("log", x), 1.0 / math.log(2.0)),
+    aten.log10.default: lambda em, x: em("mul", em("log", x), 1.0 / math.log(10.0)),
+    aten.log_sigmoid_forward.default: _log_sigmoid_fwd,
+    aten.mish_backward.default: _mish_bwd,
+    # d/dx log sigmoid(x) = sigmoid(-x)
+    aten.log_sigmoid_backward.default: lambda em, g, x, buffer: em(
+        "mul", g, em("sigmoid", em("neg", x))),
     aten.gelu_backward.default: lambda em, g, x, approximate="none": em(
         "gelu_bwd", g, x, approximate=approximate),
     aten.tanh_backward.default: _tanh_bwd,
@@ -780,7 +860,7 @@ for _assert in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar"):
         for _ov in getattr(aten, _assert).overloads():
             ATEN[getattr(getattr(aten, _assert), _ov)] = lambda em, *a, **k: None
 for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "abs",
-              "reciprocal", "sin", "cos", "log1p", "expm1"):
+              "reciprocal", "sin", "cos", "log1p", "expm1", "erf", "atan", "sign"):
     ATEN[getattr(aten, _name).default] = _unary(_name)
 
 

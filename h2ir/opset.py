@@ -224,6 +224,16 @@ def _bmm(ins, a):
         raise ValueError(f"bmm of {list(x.shape)} and {list(y.shape)}")
     return [TensorType(x.dtype, (x.shape[0], x.shape[1], y.shape[2]))]
 
+def _argmax(ins, a):
+    x = ins[0]
+    if a["dim"] is None:
+        return [TensorType("i64", (1,) * x.rank if a["keepdim"] else ())]
+    d = _dim(a["dim"], x.rank)
+    shape = tuple(1 if i == d else s for i, s in enumerate(x.shape)) if a["keepdim"] else \
+        tuple(s for i, s in enumerate(x.shape) if i != d)
+    return [TensorType("i64", shape)]
+
+
 def _cumsum(ins, a):
     x = ins[0]
     _dim(a["dim"], x.rank)
@@ -516,6 +526,8 @@ for _n, _s, _d in [
     ("abs", ("i0",), "|x|"), ("log1p", ("i0",), "ln(1 + x)"), ("expm1", ("o0",), "e^x - 1"),
     ("reciprocal", ("o0",), "1/x"), ("sin", ("i0",), "sin x"), ("cos", ("i0",), "cos x"),
     ("logical_not", (), "not x"), ("bitwise_not", (), "~x (integers and bool)"),
+    ("erf", ("i0",), "erf x"), ("atan", ("i0",), "arctan x"),
+    ("sign", (), "-1, 0 or 1 (0 at 0)"),
 ]:
     _op(_n, Group.UNARY, ["x"], infer=_same, flops=_numel_out, saves=_s, doc=_d)
 _op("gelu", Group.UNARY, ["x"], {"approximate": "none"}, infer=_same, flops=_numel_out,
@@ -533,7 +545,10 @@ for _n, _s, _d in [
     _op(_n, Group.BINARY, ["a", "b"], infer=_elementwise, flops=_numel_out, saves=_s, doc=_d)
 for _n, _s, _d in [
     ("power", ("i0", "i1"), "a ** b (either side may be a scalar: 10000 ** x)"),
-    ("floor_divide", (), "floor(a / b)"), ("bitwise_and", (), "a & b (integers and bool)"),
+    ("floor_divide", (), "floor(a / b)"),
+    ("remainder", (), "a - floor(a / b) * b: the sign of b (Python's %)"),
+    ("fmod", (), "a - trunc(a / b) * b: the sign of a (C's fmod)"),
+    ("bitwise_and", (), "a & b (integers and bool)"),
     ("bitwise_or", (), "a | b (integers and bool)"), ("bitwise_xor", (), "a ^ b (integers and bool)"),
 ]:
     _op(_n, Group.BINARY, ["a", "b"], infer=_elementwise, flops=_numel_out, saves=_s, doc=_d)
@@ -546,6 +561,9 @@ for _n in ("sum", "mean", "amax", "amin"):
     _op(_n, Group.REDUCE, ["x"], {"dims": None, "keepdim": False}, infer=_reduce, flops=_numel_in,
         doc=f"{_n} over dims (None: all)")
 
+_op("argmax", Group.REDUCE, ["x"], {"dim": None, "keepdim": False}, infer=_argmax,
+    flops=_numel_in, doc="index (i64) of the largest value along dim, the first of equals "
+                         "(None: of the flattened tensor)")
 _op("cumsum", Group.REDUCE, ["x"], {"dim": REQUIRED, "dtype": None}, infer=_cumsum,
     flops=_numel_in, doc="inclusive prefix sum along dim (dtype None: ints and bool sum in i64)")
 
@@ -557,6 +575,8 @@ _op("expand", Group.MOVEMENT, ["x"], {"shape": REQUIRED}, infer=_expand, flops=_
 _op("slice", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "start": None, "end": None, "step": 1},
     infer=_slice, flops=_zero)
 _op("select", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "index": REQUIRED}, infer=_select, flops=_zero)
+_op("flip", Group.MOVEMENT, ["x"], {"dims": REQUIRED}, infer=_same, flops=_zero,
+    doc="x reversed along dims")
 _op("cat", Group.MOVEMENT, ["xs*"], {"dim": 0}, infer=_cat, flops=_zero, doc="concatenate along dim")
 _op("split", Group.MOVEMENT, ["x"], {"dim": REQUIRED, "sizes": REQUIRED}, infer=_split, flops=_zero,
     doc="split into pieces of the given sizes (one output each)")

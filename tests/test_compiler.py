@@ -31,7 +31,8 @@ def _pipeline_grads(path, args, splits, mb=2, seq=16, seed=0):
     torch.manual_seed(seed)
     model = load_model_file(path).build(args)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    bufs = {k: v.detach().clone() for k, v in model.named_buffers()}
+    bufs = {k: v.detach().clone() for k, v in          # buffers, and tensors export lifted
+            cap.constants(model, {k for p in progs for k in p.consts}).items()}
     g = torch.Generator().manual_seed(1)
     vocab = cap.graph.attrs["vocab"]
     tokens = torch.randint(0, vocab, (mb, seq), generator=g)
@@ -69,17 +70,20 @@ def _pipeline_grads(path, args, splits, mb=2, seq=16, seed=0):
     return loss, grads, ref, eager
 
 
-@pytest.mark.parametrize("path, args, splits", [
-    ("examples/llama_tiny.py", {"n_layers": 3}, [2, 1, 2]),
-    ("examples/hf/decoders.py", {"layers": 3}, [2, 3]),            # LlamaForCausalLM, sdpa
-    ("examples/moe_tiny.py", {"n_layers": 2}, [2, 2]),
+@pytest.mark.parametrize("path, args, splits, tol", [
+    ("examples/llama_tiny.py", {"n_layers": 3}, [2, 1, 2], 1e-5),
+    ("examples/hf/decoders.py", {"layers": 3}, [2, 3], 1e-5),      # LlamaForCausalLM, sdpa
+    ("examples/moe_tiny.py", {"n_layers": 2}, [2, 2], 1e-5),
+    # ~70 torch functions chained per block: ill-conditioned in fp32, where eager's own
+    # gradients are 2.0e-3 off eager's in fp64 (h2's 9.8e-5 off eager's fp32 ones)
+    ("tests/op_zoo.py", {}, [2, 3], 3e-4),
 ])
-def test_stage_gradients_equal_eager_autograd(path, args, splits):
+def test_stage_gradients_equal_eager_autograd(path, args, splits, tol):
     loss, grads, ref, eager = _pipeline_grads(str(ROOT / path), args, splits)
     assert _rel(loss, ref.detach()) <= 1e-5
     assert set(grads) == set(eager)
     worst = max(_rel(grads[k], eager[k]) for k in eager)
-    assert worst <= 1e-5, worst
+    assert worst <= tol, worst
 
 
 def test_identical_layers_share_one_aot_trace(monkeypatch):

@@ -179,3 +179,11 @@ def test_writes_through_views_update_their_base(tmp_path):
     """In-place writes into slices of a fresh tensor (DeepSeek-V3's key states): the exported
     graph is functionalized, so the base sees the writes and gradients flow through them."""
     _trains_like_eager(tmp_path, VIEW_WRITES, "local-numpy", 3)
+
+
+@pytest.mark.parametrize("cluster", ["local", "local-numpy"])
+def test_a_model_of_seventy_torch_functions_trains_like_eager(tmp_path, cluster):
+    """tests/op_zoo.py: erf, atan, sign, flip, roll, var/std, argmax, remainder/fmod, hypot,
+    log2, logsigmoid, mish, new_full (lerp) and ~55 more in one block, on both backends."""
+    from conftest import ROOT
+    _trains_like_eager(tmp_path, (ROOT / "tests/op_zoo.py").read_text(), cluster, 3)

@@ -140,7 +140,13 @@ def reciprocal(x):
     return np.reciprocal(x) if np.issubdtype(x.dtype, np.floating) else 1.0 / x
 
 
+def erf_(x):
+    """erf in x's dtype, evaluated in f64 (`erf`)."""
+    return erf(x).astype(x.dtype, copy=False)
+
+
 UNARY = {
+    "erf": erf_, "atan": np.arctan, "sign": np.sign,
     "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": rsqrt,
     "tanh": np.tanh, "sigmoid": sigmoid, "relu": relu, "silu": silu,
     "abs": np.abs, "reciprocal": reciprocal, "sin": np.sin, "cos": np.cos,
@@ -156,6 +162,7 @@ BINARY = {
     "gt": np.greater, "ge": np.greater_equal,
     "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
     "power": np.power, "floor_divide": np.floor_divide, "bitwise_and": np.bitwise_and,
+    "remainder": np.remainder, "fmod": np.fmod,
     "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
 }
 
@@ -200,6 +207,14 @@ def amax(x, dims=None, keepdim=False):
 
 def amin(x, dims=None, keepdim=False):
     return np.amin(x, axis=_dims(dims, x.ndim), keepdims=keepdim)
+
+
+def argmax(x, dim=None, keepdim=False):
+    return np.argmax(x, axis=dim, keepdims=keepdim).astype(np.int64)
+
+
+def flip(x, dims):
+    return np.flip(x, axis=tuple(dims))
 
 
 # ---- movement (views where NumPy can) ------------------------------------------------------------
@@ -621,6 +636,7 @@ def kernel_table() -> dict:
     ops.update({
         "cast": cast, "pow": pow_, "where": where, "gelu": gelu,
         "sum": sum_, "mean": mean, "amax": amax, "amin": amin, "cumsum": cumsum,
+        "argmax": argmax, "flip": flip,
         "reshape": reshape, "permute": permute, "transpose": transpose, "expand": expand,
         "slice": slice_, "select": select, "cat": cat, "split": split,
         "mm": mm, "bmm": bmm, "attention": attention, "attention_bwd": attention_bwd,

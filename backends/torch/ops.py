@@ -57,6 +57,7 @@ def _first_tensor(*xs) -> torch.Tensor:
 # ---- elementwise ---------------------------------------------------------------------------------
 
 UNARY = {
+    "erf": torch.erf, "atan": torch.atan, "sign": torch.sign,
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu,
     "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
@@ -68,7 +69,8 @@ UNARY = {
 BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
           "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
           "gt": operator.gt, "ge": operator.ge, "power": operator.pow,
-          "floor_divide": operator.floordiv, "bitwise_and": operator.and_,
+          "floor_divide": operator.floordiv, "remainder": operator.mod,
+          "bitwise_and": operator.and_,
           "bitwise_or": operator.or_, "bitwise_xor": operator.xor}
 
 
@@ -492,6 +494,9 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
         "cast": cast, "pow": pow_, "where": where, "gelu": gelu,
         "sum": _reduction(torch.sum), "mean": _reduction(torch.mean),
         "amax": _reduction(torch.amax), "amin": _reduction(torch.amin), "cumsum": cumsum,
+        "argmax": lambda x, dim=None, keepdim=False: torch.argmax(x, dim=dim, keepdim=keepdim),
+        "flip": lambda x, dims: torch.flip(x, list(dims)),
+        "fmod": _tensor_pair(torch.fmod),
         "reshape": reshape, "permute": permute, "transpose": transpose, "expand": expand,
         "slice": slice_, "select": select, "cat": cat, "split": split,
         "mm": torch.mm, "bmm": torch.bmm, "attention": attn_fwd, "attention_bwd": attn_bwd,
