@@ -306,9 +306,13 @@ def _prepare_build_dir(out_dir: str, dry_run: bool) -> Path:
                 shutil.rmtree(child)
             else:
                 child.unlink()
-    for sub in ("stages", "streams") + (() if dry_run else ("weights",)):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
+    try:
+        for sub in ("stages", "streams") + (() if dry_run else ("weights",)):
+            (out / sub).mkdir(parents=True, exist_ok=True)
+        (out / ".h2-build").write_text("written by h2c compile; safe to delete\n")
+    except OSError as e:
+        raise H2Error(f"cannot create the build directory here: {e.strerror}", str(out),
+                      hint="pass a writable directory with -o") from None
     return out
 
 

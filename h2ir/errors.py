@@ -9,6 +9,7 @@ path it prints.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import sys
@@ -277,6 +278,24 @@ def internal_error_text(prog: str, e: BaseException, report: str | None) -> str:
             f"\n  this is a bug in h2, not in your input; {where}; please report it")
 
 
+# errno values that say a path cannot be used as it is (too long, a file where a directory must
+# be, no permission, a full or read-only disk), whatever code opened it: the path or the machine
+# is at fault, not h2. (A missing file is left to the code that expects it to say what it is.)
+PATH_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "ENAMETOOLONG", "ENOTDIR", "EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "ELOOP")
+    if hasattr(errno, n))
+
+
+def path_error_text(e: BaseException) -> str | None:
+    """`PATH: error: STRERROR` for an OSError of PATH_ERRNOS that names its path, else None."""
+    if not isinstance(e, OSError) or e.errno not in PATH_ERRNOS or not e.filename:
+        return None
+    name = str(e.filename)
+    if len(name) > 160:
+        name = name[:80] + "..." + name[-40:]
+    return f"{name}: error: {e.strerror or os.strerror(e.errno)}"
+
+
 def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
     """Dispatch `prog CMD ...` to table[CMD]; H2Error becomes a clean message and exit code 2."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
@@ -303,6 +322,10 @@ def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
     except Exception as e:      # a bug of ours, not the user's input: say so, briefly
         if os.environ.get("H2_DEBUG"):
             raise
+        told = path_error_text(e)
+        if told:                # the file system refused a path: never a bug of ours
+            print(told, file=sys.stderr)
+            return 2
         print(internal_error_text(f"{prog} {argv[0]}", e, crash_report(f"{prog} {argv[0]}", e,
                                                                         argv)), file=sys.stderr)
         return 1

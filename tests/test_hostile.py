@@ -741,6 +741,24 @@ def test_unwritable_outputs_are_refused_before_any_step(tiny_build, tmp_path, re
     assert "checkpoint directory is not writable: Read-only file system" in err
 
 
+def test_paths_the_file_system_refuses_are_clean_errors(tiny_build, tmp_path):
+    """A path too long for the file system (a model file, -o, --json-log) and a build directory
+    that cannot be created: each a clean error naming the path (they were internal errors)."""
+    long = tmp_path / ("x" * 300)
+    plan = str(tiny_build.parent / "p.h2plan")
+    for args in (("h2c", "compile", f"{long}.py"),
+                 ("h2c", "compile", "examples/llama_tiny.py", *TINY, "--plan", plan,
+                  "-o", str(long)),
+                 ("h2x", "run", str(tiny_build), "--steps", "1", "--json-log", f"{long}.jsonl")):
+        r = run_cli(*args)
+        _clean_error(r)
+        assert "File name too long" in r.stderr and "xxx...xxx" in r.stderr, r.stderr
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *TINY, "--plan", plan,
+                "-o", "/proc/h2-no-such-build")
+    _clean_error(r)
+    assert "/proc/h2-no-such-build: error: cannot create the build directory" in r.stderr
+
+
 def test_partial_files_of_a_killed_writer_are_removed(trained, tmp_path):
     """What a SIGKILL in the middle of rewriting step 6 leaves: COMPLETE already removed, a
     half-written w0.safetensors.tmp. The next run removes it, says so, and resumes from step 4."""
