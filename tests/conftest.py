@@ -85,3 +85,28 @@ dp       1
 stage chip=cpu-torch chips=1 tp=1 layers=embed, 0
 stage chip=cpu-torch chips=1 tp=1 layers=1, head
 """
+
+
+def trains_like_eager(tmp_path: Path, model, plan_text: str | None, steps: int, model_args=(),
+                      tol: float = 1e-5, compile_args=()) -> Path:
+    """Compile `model` with the plan `plan_text` (written to tmp_path/p.h2plan; None: the plan
+    `compile_args` ask for), train `steps` steps with h2x, and assert the losses equal eager
+    training's (executor/reference.py: same weights, data and AdamW) within `tol`, relative.
+    Returns the build directory."""
+    import json
+
+    from executor.reference import eager_losses
+    args = [a for kv in model_args for a in ("--arg", kv)] + list(compile_args)
+    if plan_text is not None:
+        (tmp_path / "p.h2plan").write_text(plan_text)
+        args += ["--plan", str(tmp_path / "p.h2plan")]
+    build = tmp_path / "build"
+    r = run_cli("h2c", "compile", str(model), *args, "-o", str(build))
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "log.jsonl"
+    r = run_cli("h2x", "run", str(build), "--steps", str(steps), "--json-log", str(log))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    ref = eager_losses(str(build), steps)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= tol, (got, ref)
+    return build

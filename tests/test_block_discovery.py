@@ -8,7 +8,7 @@ import textwrap
 
 import torch.nn as nn
 
-from conftest import run_cli
+from conftest import run_cli, trains_like_eager
 from frontend.capture import capture, find_blocks
 
 # One model file, three ways of holding the blocks (`--arg hold=list|seq|attrs`); einsum
@@ -102,24 +102,14 @@ def test_blocks_are_found_in_a_list_a_sequential_and_attributes(tmp_path):
 
 
 def test_attribute_blocks_train_like_eager_on_two_stages(tmp_path):
-    from executor.reference import eager_losses
     model = tmp_path / "m.py"
     model.write_text(MODEL)
-    plan = tmp_path / "p.h2plan"
-    plan.write_text(f'model "{model}"\ncluster "local-numpy"\nbatch global=4 micro=2 seq=16\n'
-                    "schedule 1f1b\ndp 1\n"
-                    "stage chip=cpu-numpy chips=1 tp=1 layers=embed, block.0, block.1\n"
-                    "stage chip=cpu-numpy chips=1 tp=1 layers=block.2, head\n")
-    build = tmp_path / "build"
-    r = run_cli("h2c", "compile", str(model), "--arg", "hold=attrs", "--plan", str(plan),
-                "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "4", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    trains_like_eager(tmp_path, model,
+                      f'model "{model}"\ncluster "local-numpy"\nbatch global=4 micro=2 seq=16\n'
+                      "schedule 1f1b\ndp 1\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=embed, block.0, block.1\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=block.2, head\n", 4,
+                      model_args=["hold=attrs"])
 
 
 def test_hand_plan_prediction_says_when_layer_times_are_a_flop_estimate(tmp_path):

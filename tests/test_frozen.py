@@ -1,12 +1,11 @@
 """Frozen parameters (requires_grad=False, as in a fine-tune) are constants of the stage programs:
 never updated, no gradient, no optimizer state. Training matches eager torch, which skips them
 too; before, h2 trained them (0.07 % off eager from the second step)."""
-import json
 import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, trains_like_eager
 
 MODEL = textwrap.dedent('''
     import torch, torch.nn as nn, torch.nn.functional as F
@@ -45,24 +44,14 @@ MODEL = textwrap.dedent('''
 @pytest.mark.parametrize("cluster,chip,dp", [("local4", "cpu-torch", 2),      # all-reduced too
                                              ("local-numpy", "cpu-numpy", 1)])
 def test_frozen_parameters_stay_frozen_and_training_matches_eager(tmp_path, cluster, chip, dp):
-    from executor.reference import eager_losses
     model = tmp_path / "m.py"
     model.write_text(MODEL)
     r = run_cli("h2c", "ir", str(model), "--seq-len", "16")
     assert r.returncode == 0, r.stderr
     assert "const %emb.weight" in r.stdout and "const %layers.2.fc1.weight" in r.stdout
     assert "param %layers.2.fc2.weight" in r.stdout
-    plan = tmp_path / "p.h2plan"
-    plan.write_text(f'model "{model}"\ncluster "{cluster}"\nbatch global=8 micro=2 seq=16\n'
-                    f"schedule 1f1b\ndp {dp}\n"
-                    f"stage chip={chip} chips={dp} tp=1 layers=embed, block.0, block.1\n"
-                    f"stage chip={chip} chips={dp} tp=1 layers=block.2, head\n")
-    build = tmp_path / "build"
-    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "4", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    trains_like_eager(tmp_path, model,
+                      f'model "{model}"\ncluster "{cluster}"\nbatch global=8 micro=2 seq=16\n'
+                      f"schedule 1f1b\ndp {dp}\n"
+                      f"stage chip={chip} chips={dp} tp=1 layers=embed, block.0, block.1\n"
+                      f"stage chip={chip} chips={dp} tp=1 layers=block.2, head\n", 4)

@@ -3,7 +3,6 @@
 or torch._decomp's entry (`stack`; `softplus`, whose decomposition is written in prims). And an
 absent optional input (a layer norm without weight or bias) survives the IR's text form.
 Each model here is one nobody wrote for h2: it trains on both backends with eager's losses."""
-import json
 import textwrap
 
 import pytest
@@ -52,19 +51,12 @@ MODEL = textwrap.dedent('''
 def _trains_like_eager(tmp_path, model_text: str, cluster: str, steps: int) -> None:
     """Compile `model_text` (a uniform plan on `cluster`), run `steps` steps with h2x, and
     compare the losses with eager training of the same weights on the same data."""
-    from executor.reference import eager_losses
+    from conftest import trains_like_eager
     f = tmp_path / "m.py"
     f.write_text(model_text)
-    build = tmp_path / "b"
-    r = run_cli("h2c", "compile", str(f), "--cluster", cluster, "--plan", "uniform",
-                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "8", "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", str(steps), "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(l)["loss"] for l in log.read_text().splitlines()]
-    ref = eager_losses(str(build), steps)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    trains_like_eager(tmp_path, f, None, steps,
+                      compile_args=["--cluster", cluster, "--plan", "uniform", "--global-batch",
+                                    "4", "--micro-batch", "2", "--seq-len", "8"])
 
 
 def test_decomposed_ops_lower_to_the_op_set(tmp_path):
@@ -186,21 +178,11 @@ def test_a_model_of_seventy_torch_functions_trains_like_eager(tmp_path, cluster,
     """tests/op_zoo.py: erf, atan, sign, flip, roll, var/std, argmax, remainder/fmod, hypot,
     log2, logsigmoid, mish, new_full (lerp) and ~55 more in one block, on both backends (a plan
     file: nothing to measure)."""
-    from conftest import ROOT
-    from executor.reference import eager_losses
+    from conftest import ROOT, trains_like_eager
     model = ROOT / "tests/op_zoo.py"
-    plan = tmp_path / "p.h2plan"
-    plan.write_text(f'model "{model}"\ncluster "{cluster}"\nbatch global=4 micro=2 seq=8\n'
-                    "schedule 1f1b\ndp 1\n"
-                    f"stage chip={chip} chips=1 tp=1 layers=embed, block.0\n"
-                    f"stage chip={chip} chips=1 tp=1 layers=block.1, head\n")
-    build = tmp_path / "b"
-    r = run_cli("h2c", "compile", str(model), "--arg", "layers=2", "--plan", str(plan),
-                "-o", str(build))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "3", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 3)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    trains_like_eager(tmp_path, model,
+                      f'model "{model}"\ncluster "{cluster}"\nbatch global=4 micro=2 seq=8\n'
+                      "schedule 1f1b\ndp 1\n"
+                      f"stage chip={chip} chips=1 tp=1 layers=embed, block.0\n"
+                      f"stage chip={chip} chips=1 tp=1 layers=block.1, head\n", 3,
+                      model_args=["layers=2"])

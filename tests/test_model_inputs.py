@@ -5,7 +5,7 @@ with an internal KeyError."""
 import json
 import textwrap
 
-from conftest import run_cli
+from conftest import trains_like_eager
 
 MODEL = textwrap.dedent('''
     import torch, torch.nn as nn, torch.nn.functional as F
@@ -49,24 +49,14 @@ MODEL = textwrap.dedent('''
 
 
 def test_inputs_after_the_token_ids_reach_every_stage_and_train_like_eager(tmp_path):
-    from executor.reference import eager_losses
     model = tmp_path / "m.py"
     model.write_text(MODEL)
-    plan = tmp_path / "p.h2plan"
-    plan.write_text(f'model "{model}"\ncluster "local"\nbatch global=4 micro=2 seq=16\n'
-                    "schedule 1f1b\ndp 1\n"
-                    "stage chip=cpu-torch chips=1 tp=1 layers=embed, block.0\n"
-                    "stage chip=cpu-torch chips=1 tp=1 layers=block.1, block.2, head\n")
-    build = tmp_path / "build"
-    r = run_cli("h2c", "compile", str(model), "--plan", str(plan), "-o", str(build))
-    assert r.returncode == 0, r.stderr
+    build = trains_like_eager(
+        tmp_path, model, f'model "{model}"\ncluster "local"\nbatch global=4 micro=2 seq=16\n'
+        "schedule 1f1b\ndp 1\n"
+        "stage chip=cpu-torch chips=1 tp=1 layers=embed, block.0\n"
+        "stage chip=cpu-torch chips=1 tp=1 layers=block.1, block.2, head\n", 4)
     sig0 = json.loads((build / "stages/stage0.json").read_text())
     sig1 = json.loads((build / "stages/stage1.json").read_text())
     assert len(sig0["inputs"]) == 2 and sig0["fixed_inputs"] == sig0["inputs"][1:]
     assert sig0["fixed_inputs"][0] in sig1["inputs"]          # crosses to the second stage
-    log = tmp_path / "log.jsonl"
-    r = run_cli("h2x", "run", str(build), "--steps", "4", "--json-log", str(log))
-    assert r.returncode == 0, r.stderr + r.stdout
-    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    ref = eager_losses(str(build), 4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
