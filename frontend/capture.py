@@ -755,9 +755,16 @@ def _trace_aten_paths(model: nn.Module, example: tuple):
         gm = None
     if gm is not None:
         try:
-            return (*_aten_from_symbolic(model, gm, example), "symbolic_trace")
+            got = _aten_from_symbolic(model, gm, example)
         except Exception:
-            pass
+            got = None
+        # a tensor the forward builds from Python values (torch.tensor([...])) is a constant
+        # of make_fx's graph, with no value on the meta device; torch.export lifts it, and the
+        # compiler reads it from the real model (Capture.constants)
+        if got is not None and not any(
+                n.op == "get_attr" and isinstance(getattr(got[0], n.target, None), torch.Tensor)
+                and getattr(got[0], n.target).numel() > 1 for n in got[0].graph.nodes):
+            return (*got, "symbolic_trace")
     with contextlib.redirect_stderr(io.StringIO()):
         return (*_aten_from_export(model, example), "torch.export")
 

@@ -186,3 +186,60 @@ def test_a_model_of_seventy_torch_functions_trains_like_eager(tmp_path, cluster,
                       f"stage chip={chip} chips=1 tp=1 layers=embed, block.0\n"
                       f"stage chip={chip} chips=1 tp=1 layers=block.1, head\n", 3,
                       model_args=["layers=2"])
+
+
+ALIBI = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    def alibi(h, s, device):            # slopes built from Python floats in the forward
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device=device)
+        rel = (torch.arange(s, device=device)[None, :] - torch.arange(s, device=device)[:, None])
+        bias = slopes[:, None, None] * rel.float()[None]
+        return bias.masked_fill(rel[None] > 0, float("-inf"))
+
+    class Block(nn.Module):
+        def __init__(self, d=32, h=4):
+            super().__init__()
+            self.h = h
+            self.n = nn.LayerNorm(d, bias=False)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.o = nn.Linear(d, d, bias=False)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.n(x)).view(b, s, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi(self.h, s, x.device)[None])
+            return x + self.o(y.transpose(1, 2).reshape(b, s, d))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(256, 32, padding_idx=0)
+            self.layers = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for l in self.layers:
+                x = l(x)
+            return x @ self.emb.weight.T                # tied head
+
+    def build_model():
+        return LM()
+''')
+
+
+def test_a_tensor_built_in_the_forward_trains_like_eager(tmp_path):
+    """`torch.tensor([...])` in the forward (ALiBi slopes) is a constant make_fx's graph holds
+    with no value on the meta device: the capture takes torch.export's path, which lifts it,
+    and the compiler reads its value from the real model (it was "graph input
+    '_tensor_constant0' is neither a model input, a parameter nor a buffer")."""
+    from conftest import trains_like_eager
+    from frontend.capture import trace_model
+    model = tmp_path / "m.py"
+    model.write_text(ALIBI)
+    assert trace_model(str(model), {}, 1, 8).how == "torch.export"
+    trains_like_eager(tmp_path, model,
+                      f'model "{model}"\ncluster "local-numpy"\nbatch global=4 micro=2 seq=8\n'
+                      "schedule 1f1b\ndp 1\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=embed, block.0\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=block.1, head\n", 3)
