@@ -383,8 +383,9 @@ def _predict(build: BuildDir, out) -> SimResult | None:
         return None
     out(f"predicted step time {sim.step_time_s:.3f} s (simulated from the build's "
         f"{len(build.workers)} stream file(s))")
-    if sim.estimate_note():
-        out(f"note: {sim.estimate_note()}")
+    note = sim.estimate_note()
+    if note:
+        out(f"note: {note}")
     return sim
 
 

@@ -518,9 +518,9 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
-    if sim.estimate_note():
-        log(f"note: {sim.estimate_note()}; `h2c compile --measure` (or `--plan auto`) measures "
-            "them")
+    note = sim.estimate_note()
+    if note:
+        log(f"note: {note}; `h2c compile --measure` (or `--plan auto`) measures them")
     return BuildResult(out, plan, progs, time.perf_counter() - t0, sim)
 
 

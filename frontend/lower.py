@@ -536,26 +536,26 @@ def _var_mean(em, x, dims, correction, keepdim):
     return var, (m if keepdim else em("reshape", m, shape=_shape(var)))
 
 
-def _var(std: bool, with_mean: bool = False, form: str = "correction"):
-    """aten.var / std / var_mean / std_mean in their `correction`, `dim` (unbiased) and
-    default forms."""
-    def f(em, x, *args, **kwargs):
-        if form == "correction":
-            dims = args[0] if args else kwargs.get("dim")
-            c = kwargs.get("correction")
-            corr, keepdim = (1 if c is None else c), kwargs.get("keepdim", False)
-        elif form == "dim":
-            a = list(args) + [None] * 3
-            dims = a[0] if args else kwargs.get("dim")
-            unbiased = kwargs.get("unbiased", True if a[1] is None else a[1])
-            corr, keepdim = int(bool(unbiased)), kwargs.get("keepdim", a[2] or False)
-        else:
-            dims, corr, keepdim = None, int(bool(args[0] if args else kwargs.get("unbiased", True))), False
+def _var_forms(std: bool, with_mean: bool = False) -> tuple:
+    """Lowerings of aten.var (std with `std`; var_mean / std_mean with `with_mean`) in its
+    `correction`, `dim` (unbiased) and default forms."""
+    def finish(em, x, dims, corr, keepdim):
         v, m = _var_mean(em, x, dims, corr, keepdim)
-        if std:
-            v = em("sqrt", v)
+        v = em("sqrt", v) if std else v
         return (v, m) if with_mean else v
-    return f
+
+    def correction_form(em, x, dim=None, correction=None, keepdim=False):
+        return finish(em, x, dim, 1 if correction is None else correction, keepdim)
+
+    def dim_form(em, x, dim, unbiased=True, keepdim=False):
+        return finish(em, x, dim, int(bool(unbiased)), keepdim)
+
+    def default_form(em, x, unbiased=True):
+        return finish(em, x, None, int(bool(unbiased)), False)
+    return correction_form, dim_form, default_form
+
+
+_VAR, _STD = _var_forms(False), _var_forms(True)
 
 
 def _log_sigmoid_fwd(em, x):
@@ -777,11 +777,10 @@ ATEN: dict = {
     aten.argmax.default: lambda em, x, dim=None, keepdim=False: em(
         "argmax", x, dim=None if dim is None else dim % x.type.rank, keepdim=bool(keepdim)),
     aten.flip.default: lambda em, x, dims: em("flip", x, dims=[d % x.type.rank for d in dims]),
-    aten.var.correction: _var(False), aten.var.dim: _var(False, form="dim"),
-    aten.var.default: _var(False, form="default"),
-    aten.std.correction: _var(True), aten.std.dim: _var(True, form="dim"),
-    aten.std.default: _var(True, form="default"),
-    aten.var_mean.correction: _var(False, True), aten.std_mean.correction: _var(True, True),
+    aten.var.correction: _VAR[0], aten.var.dim: _VAR[1], aten.var.default: _VAR[2],
+    aten.std.correction: _STD[0], aten.std.dim: _STD[1], aten.std.default: _STD[2],
+    aten.var_mean.correction: _var_forms(False, True)[0],
+    aten.std_mean.correction: _var_forms(True, True)[0],
     aten.hypot.default: lambda em, a, b: em("sqrt", em("add", em("mul", a, a), em("mul", b, b))),
     aten.log2.default: lambda em, x: em("mul", em("log", x), 1.0 / math.log(2.0)),
     aten.log10.default: lambda em, x: em("mul", em("log", x), 1.0 / math.log(10.0)),

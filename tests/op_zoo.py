@@ -26,6 +26,9 @@ OPS = [
     lambda s, x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True,
                                                                   unbiased=False) + 1e-5),
     lambda s, x: x / (x.std(-1, keepdim=True) + 1e-5),
+    lambda s, x: x - torch.var_mean(x, -1, keepdim=True)[1] + 0.01 * (
+        torch.std_mean(x, dim=-1, keepdim=True)[0] + torch.var(x, dim=(1, 2), correction=0,
+                                                               keepdim=True)),
     lambda s, x: torch.sign(x) * x.abs().pow(1.5), lambda s, x: torch.log1p(torch.exp(-x.abs())),
     lambda s, x: torch.sin(x) + torch.cos(x), lambda s, x: s.gn(x.transpose(1, 2)).transpose(1, 2),
     lambda s, x: x - x.max(-1, keepdim=True).values, lambda s, x: torch.where(x > 0, x, 0.1 * x),
