@@ -86,15 +86,17 @@ def test_unsupported_op_first_met_in_calibration_is_one_clean_message(tmp_path):
 
 def test_backward_only_op_is_located_at_its_forward_op(tmp_path):
     """AOTAutograd's backward graphs carry no source lines: an op met only there is traced back
-    to the model op it is the derivative of (abs -> sgn), or named as backward-only."""
-    f = model_file(tmp_path, body="h.abs()")
+    to the model op it is the derivative of (upsample_linear1d -> its backward), or named as
+    backward-only. (abs -> sgn served until sign joined the op set.)"""
+    f = model_file(tmp_path, body="torch.nn.functional.interpolate(h, scale_factor=1.0, "
+                                  "mode='linear')")
     r = run_cli("h2c", "compile", str(f), "--seq-len", "8", "--global-batch", "2",
                 "-o", str(tmp_path / "build"))
     if r.returncode == 0:
-        pytest.skip("abs's backward lowers now: no backward-only op left to test with")
+        pytest.skip("linear interpolation's backward lowers now: no backward-only op left")
     assert_clean(r)
-    assert str(f) in r.stderr and "is not in the h2ir op set" in r.stderr
-    assert "backward" in r.stderr
+    assert f"{f}:{line_of(f, 'interpolate')}: error:" in r.stderr, r.stderr
+    assert "upsample_linear1d_backward (the backward of aten::upsample_linear1d" in r.stderr
 
 
 def test_located_backward_op_names_the_forward_module_and_line(tmp_path):
