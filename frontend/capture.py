@@ -420,20 +420,23 @@ class LayerGrouper:
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule):
         self.blocks = find_blocks(model)
-        self.n_blocks = len(self.blocks)
         self.block_index = {path: i for i, path in enumerate(self.blocks)}
-        self.kinds = {}
-        topks = _traced_topks(gm)
-        for i, path in enumerate(self.blocks):
-            attrs = moe_attrs(model.get_submodule(path), _traced_top_k(topks, path))
-            self.kinds[i] = ("moe_block", {"module": path, **attrs}) if attrs else \
-                ("transformer_block", {"module": path})
-        # index of each call node; first/last node inside any block
+        # each call of a block module is a layer, numbered in graph order: a module called at
+        # two depths (weights shared, ALBERT-style) is two layers whose parameters are tied
+        calls: dict[tuple, int] = {}
         self.block_of: dict[str, int] = {}
         for node in gm.graph.nodes:
-            b = self._block(node)
-            if b is not None:
-                self.block_of[node.name] = b
+            c = self._block_call(node)
+            if c is not None:
+                self.block_of[node.name] = calls.setdefault(c, len(calls))
+        self.n_blocks = len(calls)
+        self.kinds = {}
+        topks = _traced_topks(gm)
+        for (i, _), b in calls.items():
+            path = self.blocks[i]
+            attrs = moe_attrs(model.get_submodule(path), _traced_top_k(topks, path))
+            self.kinds[b] = ("moe_block", {"module": path, **attrs}) if attrs else \
+                ("transformer_block", {"module": path})
         order = [n.name for n in gm.graph.nodes]
         pos = {n: i for i, n in enumerate(order)}
         inside = [pos[n] for n in self.block_of]
@@ -459,13 +462,16 @@ class LayerGrouper:
             kind, attrs = self.kinds[current]
             self.assign[node.name] = (f"block.{current}", kind, attrs)
 
-    def _block(self, node) -> int | None:
-        for v in (node.meta.get("nn_module_stack") or {}).values():
+    def _block_call(self, node) -> tuple[int, int] | None:
+        """(index in `blocks`, which call of that module) of the block a node runs in. The
+        module stack's keys number repeated calls of one module (`layers.0@1`)."""
+        for key, v in (node.meta.get("nn_module_stack") or {}).items():
             parts = module_path(v[0]).split(".")
             for j in range(1, len(parts) + 1):
                 i = self.block_index.get(".".join(parts[:j]))
                 if i is not None:
-                    return i
+                    n = str(key).rpartition("@")[2]
+                    return i, int(n) if "@" in str(key) and n.isdigit() else 0
         return None
 
     def __call__(self, node) -> tuple:

@@ -141,3 +141,53 @@ def test_hand_plan_prediction_says_when_layer_times_are_a_flop_estimate(tmp_path
     assert "FLOP estimate" not in r.stdout + r.stderr
     m = json.loads((tmp_path / "b2/manifest.json").read_text())
     assert m["calibration_records"]          # the prediction's measured layer records
+
+
+SHARED = textwrap.dedent('''
+    import torch.nn as nn, torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.n = nn.LayerNorm(d)
+            self.f1 = nn.Linear(d, 2 * d)
+            self.f2 = nn.Linear(2 * d, d)
+
+        def forward(self, x):
+            return x + self.f2(F.gelu(self.f1(self.n(x))))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(256, 32)
+            shared = Block(32)                  # one module at two depths (ALBERT-style)
+            self.layers = nn.ModuleList([shared, shared, Block(32)])
+            self.head = nn.Linear(32, 256)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for l in self.layers:
+                x = l(x)
+            return self.head(x)
+
+    def build_model():
+        return LM()
+''')
+
+
+def test_a_block_called_at_two_depths_is_two_tied_layers_on_two_stages(tmp_path):
+    """Each call of a block module is a layer (the module stack numbers repeated calls): the
+    shared block's two calls land on different stages, its weights tied across them. Before,
+    both calls were one layer, which no plan could split."""
+    model = tmp_path / "m.py"
+    model.write_text(SHARED)
+    layers = capture(str(model), {}, 1, 16).layers
+    assert [l.name for l in layers] == ["embed", "block.0", "block.1", "block.2", "head"]
+    # the first call owns the shared weights; the second reads them as tied parameters
+    assert {v.name for v in layers[1].params} >= {"layers.0.f1.weight", "layers.0.f2.weight"}
+    assert not layers[2].params and "layers.0.f1.weight" in layers[2].attrs["tied"]
+    trains_like_eager(tmp_path, model,
+                      f'model "{model}"\ncluster "local-numpy"\nbatch global=4 micro=2 seq=16\n'
+                      "schedule 1f1b\ndp 1\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=embed, block.0\n"
+                      "stage chip=cpu-numpy chips=1 tp=1 layers=block.1, block.2, head\n", 4)
