@@ -754,6 +754,18 @@ def _trace_aten(model: nn.Module, example: tuple):
         return _trace_aten_paths(model, example)
 
 
+def _holds_tensor_constants(gm: torch.fx.GraphModule) -> bool:
+    """Whether make_fx's graph holds a tensor the forward built from Python values
+    (torch.tensor([...])): on the meta device it has no value. torch.export lifts such a tensor,
+    and the compiler reads its value from the real model (Capture.constants); a one-element one
+    the lowering takes as a scalar."""
+    for n in gm.graph.nodes:
+        t = getattr(gm, n.target, None) if n.op == "get_attr" else None
+        if isinstance(t, torch.Tensor) and t.numel() > 1:
+            return True
+    return False
+
+
 def _trace_aten_paths(model: nn.Module, example: tuple):
     try:
         gm = _symbolic_trace(model)
@@ -764,12 +776,7 @@ def _trace_aten_paths(model: nn.Module, example: tuple):
             got = _aten_from_symbolic(model, gm, example)
         except Exception:
             got = None
-        # a tensor the forward builds from Python values (torch.tensor([...])) is a constant
-        # of make_fx's graph, with no value on the meta device; torch.export lifts it, and the
-        # compiler reads it from the real model (Capture.constants)
-        if got is not None and not any(
-                n.op == "get_attr" and isinstance(getattr(got[0], n.target, None), torch.Tensor)
-                and getattr(got[0], n.target).numel() > 1 for n in got[0].graph.nodes):
+        if got is not None and not _holds_tensor_constants(got[0]):
             return (*got, "symbolic_trace")
     with contextlib.redirect_stderr(io.StringIO()):
         return (*_aten_from_export(model, example), "torch.export")

@@ -109,8 +109,8 @@ def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> l
             dev[k] = be.from_numpy(np.ascontiguousarray(table[k]), dtype_of_host(table[k].dtype))
         return dev[k]
 
-    fixed = {k: be.from_numpy(v.numpy(), dtype_of_host(v.numpy().dtype))
-             for k, v in cap.fixed_inputs().items()}
+    fixed = {k: be.from_numpy(a, dtype_of_host(a.dtype))
+             for k, a in ((k, v.numpy()) for k, v in cap.fixed_inputs().items())}
     vocab = max(2, int(cap.graph.attrs.get("vocab", 256) or 256))
     rng = np.random.default_rng(seed)
     acts: dict = {}

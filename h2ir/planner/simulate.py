@@ -64,14 +64,14 @@ class SimResult:
     chunk_groups: list[list[int]] | None = None
     # layers of stages on `measured` chips that had no measured layer time (FLOP estimate)
     estimated_layers: list = field(default_factory=list)
-    stage_layers: list = field(default_factory=list)      # the plan's layers, per stage
+    planned_layers: int = 0                               # layers over the plan's stages
 
     def estimate_note(self) -> str | None:
         """What a prediction from FLOP-estimated layer times leaves out (None: every layer of a
         measured chip had measured times)."""
         if not self.estimated_layers:
             return None
-        n, total = len(self.estimated_layers), sum(len(t) for t in self.stage_layers)
+        n, total = len(self.estimated_layers), self.planned_layers
         return (f"{'all ' if n == total else ''}{n}{'' if n == total else f' of {total}'} "
                 "layers' times are a FLOP estimate (no measured times of this model at this "
                 "micro-batch and sequence length on this host): it leaves out per-op and "
@@ -459,7 +459,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                      stage_of=stage_of, chunk_groups=groups if plan.is_virtual else None,
                      estimated_layers=[l for st in plan.stages for l in st.layers
                                        if (st.chip, l) in rm.estimated],
-                     stage_layers=[list(st.layers) for st in plan.stages])
+                     planned_layers=sum(len(st.layers) for st in plan.stages))
 
 
 def manifest_b_fractions(stages: list[dict]) -> dict:
