@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -110,14 +111,15 @@ def cluster_calibration(cluster):
 
 
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
-                       log=print):
+                       log=print, keep=frozenset()):
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
     this model, measured with as many workers at once as the cluster has chips. They are keyed
     by the model file's content and arguments, the shapes, dtype, backend, threads and workers
     (frontend/profile.py `layer_record_key`); a record that is missing, from
     another host, stale (age, torch/numpy versions) or noisy is measured again, and a fresh one
     that is still noisy is reported. Returns the calibration restricted to this model's records
-    (None when the cluster has no measured chip)."""
+    at this micro-batch and the record ids in `keep` (the same model measured at other
+    micro-batches), or None when the cluster has no measured chip."""
     from backends.calibrate import software_versions
     from frontend.profile import layer_record_key
     from h2ir.planner.calibration import problems, record_id
@@ -149,7 +151,7 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
             if why:
                 log(f"warning: layer times of {name} on {b}: {'; '.join(why)} (used anyway: "
                     "run on a quieter machine for a better plan)")
-    return cal.select(ids.values())
+    return cal.select(set(ids.values()) | set(keep))
 
 
 def _sha256(path: str) -> str:
@@ -220,6 +222,9 @@ def _read_inputs(cluster_arg: str, plan_arg: str, global_batch, micro_batch, seq
     return _Inputs(plan_arg, cluster, fplan, fplan.global_batch, fplan.micro_batch, fplan.seq_len)
 
 
+MAX_EXTRA_MICRO_BATCHES = 2     # layer-time measurements a search may add at other micro-batches
+
+
 def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search, dry_run, log,
                       time_limit=None, measure=False):
     """Trace the model, then plan it (search/uniform) or take the plan file; retrace at the
@@ -230,15 +235,28 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
     cal = None
     if inp.plan is None or measure:   # the search ranks plans by this model's measured layer times
         cal = ensure_layer_times(inp.cluster, model_path, model_args, mb_trace, inp.seq_len, log)
+    measured_mbs = {mb_trace} if cal is not None else set()
     cal = cal or cluster_calibration(inp.cluster)
     cap = trace_model(model_path, model_args, mb_trace, inp.seq_len)
     costs = cap.graph.layer_costs()
-    plan = inp.plan or search_plan(inp.plan_arg, costs, inp.cluster,
-                                   global_batch=inp.global_batch, micro_batch=inp.micro_batch,
-                                   seq_len=inp.seq_len, schedule=schedule, search=search,
-                                   model_path=model_path, executable=not dry_run, calibration=cal,
-                                   time_limit=time_limit, log=log,
-                                   sparse_moe=_has_experts_modules(cap.model))
+    plan_search = functools.partial(
+        search_plan, inp.plan_arg, costs, inp.cluster, global_batch=inp.global_batch,
+        micro_batch=inp.micro_batch, seq_len=inp.seq_len, schedule=schedule, search=search,
+        model_path=model_path, executable=not dry_run, time_limit=time_limit, log=log,
+        sparse_moe=_has_experts_modules(cap.model))
+    plan = inp.plan or plan_search(calibration=cal)
+    # The search priced micro-batches it has no measurement of from the measured ones (linear in
+    # the rows: a larger micro-batch runs more efficiently than that says). Measure the one it
+    # chose and search again with both, until its choice is measured (a bounded number of times).
+    for _ in range(MAX_EXTRA_MICRO_BATCHES):
+        if inp.plan is not None or not measured_mbs or plan.micro_batch in measured_mbs:
+            break
+        log(f"the plan's micro-batch {plan.micro_batch} was priced from micro-batch(es) "
+            f"{', '.join(map(str, sorted(measured_mbs)))}: measuring it and searching again")
+        cal = ensure_layer_times(inp.cluster, model_path, model_args, plan.micro_batch,
+                                 inp.seq_len, log, keep=cal.selected)
+        measured_mbs.add(plan.micro_batch)
+        plan = plan_search(calibration=cal)
     if plan.micro_batch != mb_trace:
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()

@@ -70,6 +70,42 @@ def test_planner_skips_foreign_and_stale_records_and_reports_them():
     assert cal.layer_time("torch", _layer(flops=2000), 2, 128) == pytest.approx((0.006, 0.012))
 
 
+def test_layer_time_between_measured_micro_batches_is_linear_between_the_nearest_pair():
+    cal = Calibration(records={})
+    for mb, fwd in ((1, 0.003), (4, 0.008), (8, 0.014)):
+        cal.add_record(_rec(fwd=fwd, flops=1000 * mb, mb=mb, sha=f"s{mb}"))
+    at = lambda mb: cal.layer_time("torch", _layer(flops=1000 * mb), mb, 128)  # noqa: E731
+    assert at(4) == pytest.approx((0.008, 0.016))                   # measured: as measured
+    assert at(2) == pytest.approx((0.003 + 0.005 / 3, 0.006 + 0.010 / 3))  # between 1 and 4
+    assert at(6) == pytest.approx((0.011, 0.022))                   # between 4 and 8, not 1 and 8
+    # beyond the measured ones: linear from the nearest (mb 8), not from the first found (mb 1)
+    assert at(16) == pytest.approx((0.028, 0.056))
+
+
+def test_compile_measures_the_micro_batch_the_search_chose_and_searches_again(tmp_path,
+                                                                              monkeypatch):
+    import frontend.compiler as fc
+    from h2ir.clusters.clusterfile import load_cluster
+    monkeypatch.setenv("H2_CALIBRATION", str(tmp_path / "cal.json"))
+    calls, searched = [], []
+    monkeypatch.setattr(fc, "record", _fake_record(calls))
+    real = fc.search_plan
+
+    def search_plan(*a, **kw):      # a search that prefers micro-batches of 4
+        searched.append(sorted(kw["calibration"].selected))
+        return real(*a, **dict(kw, micro_batch=4))
+    monkeypatch.setattr(fc, "search_plan", search_plan)
+    args = {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn": 128, "vocab": 512}
+    inp = fc._Inputs("uniform", load_cluster("local-mixed"), None, 8, None, 32)
+    _, _, plan, cal = fc._capture_and_plan("examples/llama_tiny.py", args, inp, schedule="1f1b",
+                                           search="heuristic", dry_run=False, log=lambda m: None)
+    assert plan.micro_batch == 4
+    # measured at micro-batch 1 first, then at 4; the second search saw both records
+    assert calls == [["numpy", "torch"], ["numpy", "torch"]]
+    assert len(searched) == 2 and len(searched[0]) == 2 and len(searched[1]) == 4
+    assert {cal.records[r]["key"]["micro_batch"] for r in cal.selected} == {1, 4}
+
+
 def test_version_1_file_keeps_speeds_drops_name_keyed_layer_times(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"version": 1, "created": "2026-01-01T00:00:00", "host": host_info(),

@@ -20,7 +20,8 @@ where, when and with what it was taken, and a record is used only while those st
 settle (`noisy`). The planner never uses such a record (`layer_time` skips it); the drivers
 re-measure it or report it (`backends/calibrate.py`, `frontend/compiler.py ensure_layer_times`).
 A layer-time record costs a layer only when the layer is the one measured — same kind,
-parameters, sequence length and FLOPs per sample — scaled linearly in the micro-batch; one
+parameters, sequence length and FLOPs per sample — at the micro-batch measured, between two
+measured micro-batches linearly, or scaled linearly from the nearest one; one
 model's timings are never stretched by a FLOP ratio over another model's layers (a 6 M-parameter
 block measured at 8 tokens says nothing about the same kind at 128 tokens).
 
@@ -72,6 +73,28 @@ def record_sharing(rec: dict) -> float:
     cores = rec.get("cores") or (rec.get("host") or {}).get("cpu_count") or 1
     procs = (rec.get("key") or {}).get("workers") or cores
     return min(1.0, cores / procs)
+
+
+def micro_batch_time(by_mb: dict, micro_batch: int):
+    """(fwd_s, bwd_s, sharing) at `micro_batch` from one layer's measurements at several
+    micro-batches ({mb: (fwd_s, bwd_s, sharing)}), or None: the exact one; between two measured
+    micro-batches, linear between the nearest pair (a layer's time is affine in its rows: a fixed
+    per-call part — dispatch, small reductions — plus a per-row part, and a larger micro-batch
+    runs the matmuls at a better rate); outside them, scaled linearly from the nearest (all a
+    single measurement can say)."""
+    if not by_mb:
+        return None
+    if micro_batch in by_mb:
+        return by_mb[micro_batch]
+    lo = max((b for b in by_mb if b < micro_batch), default=None)
+    hi = min((b for b in by_mb if b > micro_batch), default=None)
+    if lo is not None and hi is not None:
+        w = (micro_batch - lo) / (hi - lo)
+        (fl, bl, sl), (fh, bh, sh) = by_mb[lo], by_mb[hi]
+        return fl + w * (fh - fl), bl + w * (bh - bl), min(sl, sh)
+    near = lo if hi is None else hi
+    f, b, share = by_mb[near]
+    return f * micro_batch / near, b * micro_batch / near, share
 
 
 def host_info() -> dict:
@@ -235,7 +258,8 @@ class Calibration:
         """(fwd_s, bwd_s) for `layer` (a LayerCost at `micro_batch` x `seq_len`), or None.
 
         From a trusted record of the same layer (kind, parameters, sequence length and FLOPs per
-        sample all equal), scaled linearly in the micro-batch; hand-given `layer_times` are
+        sample all equal): at a measured micro-batch exactly, else as `micro_batch_time` says
+        from the measured ones; hand-given `layer_times` are
         scaled by their FLOP ratio, else by tokens. `solo`: a record measured with more
         processes at once than cores is taken at one process per core (its times x cores /
         processes: `record_sharing`), for a simulator that shares the cores itself."""
@@ -254,19 +278,16 @@ class Calibration:
             else:
                 rf = rb = (micro_batch * seq_len) / (rec["micro_batch"] * rec["seq_len"])
             return rec["fwd_s"] * rf, rec["bwd_s"] * rb, 1.0
-        best = None
+        by_mb: dict[int, tuple] = {}              # micro-batch -> the newest matching record
         for r in self.usable_records(backend):
             k, m = r["key"], r["layers"].get(layer.kind)
             if m is None or k["seq_len"] != seq_len or m.get("params") != layer.params:
                 continue
-            scale = micro_batch / k["micro_batch"]
-            if abs(m["fwd_flops"] * scale - layer.fwd_flops) > 1e-6 * max(1, layer.fwd_flops):
+            if abs(m["fwd_flops"] * micro_batch / k["micro_batch"] - layer.fwd_flops) > \
+                    1e-6 * max(1, layer.fwd_flops):
                 continue
-            if k["micro_batch"] == micro_batch:       # an exact shape beats a scaled one
-                return m["fwd_s"], m["bwd_s"], record_sharing(r)
-            if best is None:
-                best = (m["fwd_s"] * scale, m["bwd_s"] * scale, record_sharing(r))
-        return best
+            by_mb.setdefault(k["micro_batch"], (m["fwd_s"], m["bwd_s"], record_sharing(r)))
+        return micro_batch_time(by_mb, micro_batch)
 
     def add_record(self, rec: dict) -> str:
         rid = record_id(rec["key"])
