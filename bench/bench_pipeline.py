@@ -93,11 +93,13 @@ def pipelining_worker(rank: int, port: int, steps: int, out: str):
     dist.destroy_process_group()
 
 
-def run_pipelining(steps: int) -> dict:
+def run_pipelining(steps: int, keep_freed: bool = False) -> dict:
+    from bench_schedules import PIPPY_KEEP_FREED
     port = _free_port()
     out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, **{PIPPY_KEEP_FREED: "1" if keep_freed else "0"})
     procs = [subprocess.Popen([sys.executable, __file__, "--pp-worker", str(r), "--port", str(port),
-                               "--steps", str(steps), "--out", out]) for r in range(S)]
+                               "--steps", str(steps), "--out", out], env=env) for r in range(S)]
     for p in procs:
         if p.wait() != 0:
             raise SystemExit("torch.distributed.pipelining run failed")
@@ -159,24 +161,36 @@ def main():
     tokens = M * MB * SEQ
     # Alternate the two systems for --rounds rounds: this machine's speed drifts over minutes,
     # and alternating spreads that drift over both. Medians over all steady-state steps.
-    pp_t, h2_t, split = [], [], []
+    pp_t, pk_t, h2_t, split = [], [], [], []
     for _ in range(a.rounds):
         pp = run_pipelining(a.steps)
         h2 = run_h2x(a.steps)
+        pk = run_pipelining(a.steps, keep_freed=True)
         pp_t += pp["times"][1:]
+        pk_t += pk["times"][1:]
         h2_t += h2["times"][1:]
         split.append(h2["split_bound"])
     single = single_worker_step(max(3, a.steps // 2))
-    t_pp = statistics.median(pp_t)
+    from backends.allocator import keep_freed_memory
+    keep_freed_memory()         # the single worker again, with the policy h2x's workers run under
+    single_k = single_worker_step(max(3, a.steps // 2))
+    t_pp, t_pk = statistics.median(pp_t), statistics.median(pk_t)
     t_h2 = statistics.median(h2_t)
     t_lim = single / S * (M + S - 1) / M
+    t_lim_k = single_k / S * (M + S - 1) / M
     print(f"llama_tiny, {S} stages x 4 layers, {M} micro-batches of {MB}x{SEQ}, 1F1B, 1 thread/worker"
           f" ({a.rounds} rounds x {a.steps - 1} steady steps each)")
     print(f"  torch.distributed.pipelining (anchor): {t_pp:.3f} s/step  {tokens / t_pp:8.0f} tokens/s")
     print(f"  h2x (shm):                             {t_h2:.3f} s/step  {tokens / t_h2:8.0f} tokens/s")
     print(f"  bubble-bound limit:                    {t_lim:.3f} s/step  (single worker {single:.3f} s)")
-    print(f"  ratio h2x / pipelining tokens/s:   {t_pp / t_h2:.2f}")
-    print(f"  ratio h2x / bubble-bound limit:    {t_lim / t_h2:.2f}")
+    print(f"  with h2x's worker allocator policy (backends/allocator.py) on the other side too:")
+    print(f"    torch.distributed.pipelining:        {t_pk:.3f} s/step  {tokens / t_pk:8.0f} tokens/s")
+    print(f"    bubble-bound limit:                  {t_lim_k:.3f} s/step  (single worker "
+          f"{single_k:.3f} s)")
+    print(f"  ratio h2x / pipelining tokens/s:   {t_pp / t_h2:.2f}   (vs pipelining with the "
+          f"policy: {t_pk / t_h2:.2f})")
+    print(f"  ratio h2x / bubble-bound limit:    {t_lim / t_h2:.2f}   (vs the limit with the "
+          f"policy: {t_lim_k / t_h2:.2f})")
     t_split = statistics.median(split)
     print(f"  this split's bound (h2x's measured stage compute): {t_split:.3f} s/step; "
           f"ratio h2x / it: {t_split / t_h2:.2f}")

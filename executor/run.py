@@ -350,6 +350,7 @@ def _heartbeat(records: Records, wid: int, host: int, addr: str, status: np.ndar
 
 def serve(a, console) -> int:
     """One worker process under torchrun."""
+    from backends.allocator import keep_freed_memory
     from backends.threads import limit_torch_threads, pin_to_core
     from executor import dicomm
     from executor.build import BuildDir
@@ -387,6 +388,7 @@ def serve(a, console) -> int:
     try:
         plan = records.get("plan", "the coordinator's start record", timeout=STARTUP_S)
         limit_torch_threads()
+        keep_freed_memory()
         spec = DataSpec(plan["data"], plan["data_format"], plan["data_max_bytes"])
         kind = ChunkedWorker if build.workers[wid].get("chunks") else Worker
         worker = kind(build, wid, None, _token_batches(build, wid, spec),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from backends.allocator import keep_freed_memory
 from backends.threads import limit_torch_threads, pin_to_core, single_thread_env
 
 single_thread_env()     # one compute thread per worker: before numpy/torch load their pools
@@ -622,6 +623,7 @@ def _serve(a, emit) -> int:
     status = _status_slot(a.status, W, a.worker)
     _start_heartbeat(status, os.getppid())
     limit_torch_threads()
+    keep_freed_memory()
     data = _token_batches(build, a.worker, DataSpec(a.data, a.data_format, a.data_max_bytes))
     # the stage is loaded before connecting: a bad stage file is this worker's start-up error,
     # not its peers' broken handshake

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from backends.allocator import keep_freed_memory
 from backends.threads import limit_torch_threads, pin_to_core, single_thread_env
 
 single_thread_env()
@@ -173,6 +174,7 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
     layer}} for each distinct layer kind, with realistic inputs (`realistic_layer_values`) and
     repeated until stable (`time_until_stable`)."""
     limit_torch_threads()
+    keep_freed_memory()       # as a worker runs (backends/allocator.py)
     from backends.base import run_program
     from backends.registry import get_backend
     from frontend.capture import trace_model
