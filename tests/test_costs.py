@@ -364,3 +364,33 @@ def test_rounds_setting_is_checked(monkeypatch):
         monkeypatch.setenv("H2_CALIBRATION_ROUNDS", bad)
         with pytest.raises(H2Error, match="H2_CALIBRATION_ROUNDS"):
             rounds_setting()
+
+
+def test_layer_times_are_taken_in_a_chain_of_every_layer_as_a_micro_batch_runs():
+    """Each layer's forward in order, outputs held, then each backward in reverse; a kind's
+    time is the mean over its layers; repeated until the sweeps' totals settle."""
+    import weakref
+    from types import SimpleNamespace
+    from frontend.profile import layer_chain, time_until_stable
+    calls, live = [], weakref.WeakSet()
+    progs = [SimpleNamespace(fwd=("f", i), bwd=("b", i)) for i in range(4)]
+    kinds = ["embedding", "block", "block", "head"]
+
+    class Out:                      # a forward's output: alive until the chain lets it go
+        pass
+
+    def run(g, env):
+        calls.append((g, len(live)))
+        if g[0] == "f":
+            out = Out()
+            live.add(out)
+            return out
+    sweep = layer_chain(progs, [{"fwd": {}, "bwd": {}}] * 4, kinds, run, lambda: None)
+    got = sweep()
+    assert [g for g, _ in calls] == [("f", 0), ("f", 1), ("f", 2), ("f", 3),
+                                     ("b", 3), ("b", 2), ("b", 1), ("b", 0)]
+    assert [n for g, n in calls if g[0] == "b"] == [4, 4, 4, 4] and not live
+    assert set(got) == {(k, d) for k in kinds for d in ("fwd", "bwd")}
+    times, spreads, reps = time_until_stable(lambda: {"a": 0.01, "b": 0.02}, min_reps=3,
+                                             window=3)
+    assert times == {"a": 0.01, "b": 0.02} and spreads == {"a": 0.0, "b": 0.0} and reps == 3
