@@ -70,7 +70,10 @@ def test_torch_errors_are_measured_against_an_independent_reference():
     same = check_backend(TorchBackend(), "f64", ops=ROUNDING_OPS, reference="torch-f64")
     assert not ours.failed and not same.failed
     assert sum(r.max_abs > 0 for r in same.results) <= 1
-    assert sum(r.max_abs > 0 for r in ours.results) >= 20
+    # how many differ depends on the CPU's BLAS and libm paths: at least 20 of 30 on the AMD EPYC
+    # machines this ran on until 2026-12-01, 19-20 on an Intel Xeon (log, mm and bmm agree bit
+    # for bit there); the same reference gives <= 1
+    assert sum(r.max_abs > 0 for r in ours.results) >= len(ROUNDING_OPS) // 2
     assert all(not r.reference_independent for r in same.results)
     # at f32 every rounding op shows its round-off (nll_loss_bwd's g / 28 is exact for this seed)
     f32 = check_backend(TorchBackend(), "f32", ops=ROUNDING_OPS)
