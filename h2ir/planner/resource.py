@@ -826,6 +826,8 @@ class ResourceModel:
                 bw = r.act_bw or r.mem_bw
                 f_c = (mm_f / r.flops + at_f / af) / tp + mem / bw
                 b_c = (mm_b / r.flops + at_b / af) / tp + 2 * mem / bw
+            if r.source == "measured":
+                b_c += self.grad_accumulation_time(r, l.params / tp)
             comm = 0.0
             if tp > 1 and tp_estimate:
                 # Megatron-LM (Shoeybi et al. 2019) Sec. 3, Fig. 4: two all-reduces of the b*s*d
@@ -845,6 +847,18 @@ class ResourceModel:
                         fwd_layer=f.tolist(), bwd_layer=b.tolist())
         self._times[key] = lt
         return lt
+
+    def grad_accumulation_time(self, r: "ChipRates", params: float) -> float:
+        """One micro-batch's parameter gradients added into the step's running sums: an h2x
+        worker's backward does this with the backend's own add after the layer programs
+        (executor/worker.py `_take_grads`), which the measured layer times do not contain. It is
+        memory-bound: read both, write one, 3 x the gradient bytes at the copy bandwidth (llama_tiny,
+        10.5 M parameters, torch, one thread: 9.9 ms measured, 12.7 ms from the 9.9 GB/s copy rate;
+        a stage's backward ran 12-17 ms over its measured layers in `h2x run`). Charged on every
+        micro-batch, the first too (which only keeps its gradients), so up to 1/m high. Catalog chips
+        get none: a GPU trainer fuses it into the weight-gradient GEMM (Megatron-LM's
+        gradient_accumulation_fusion)."""
+        return 3.0 * params * self.la.grad_bytes / r.mem_bw
 
     # -- one stage ---------------------------------------------------------------------------
     def compute_times(self, chip: str, tp: int, a: int, b: int, recompute: str, ep: int = 1,
