@@ -170,3 +170,15 @@ def test_bad_batch_is_an_error():
     plan.micro_batch = 2          # 3 sequences do not split into micro-batches of 2
     with pytest.raises(H2Error, match="not a multiple"):
         simulate(c, plan, cluster())
+
+
+def test_a_grid_has_at_most_max_slots_columns_whatever_its_shortest_action():
+    """An embedding-only stage's forward of a 100 B model takes microseconds in a 20 s step: a
+    grid with a column per shortest action needed millions of columns (h2c compile of
+    llama_100b on h2-1024 grew to 24 GB and was killed)."""
+    from h2ir.schedule.grid import MAX_SLOTS, grid_from_events
+    from h2ir.schedule.trace import TraceEvent
+    events = [TraceEvent(0, "compute", "F0", 0.0, 1e-6), TraceEvent(1, "compute", "B0", 0.0, 20.0)]
+    g = grid_from_events(events, {0: 0, 1: 1})
+    assert len(g.rows[0]) <= MAX_SLOTS and g.slot_s == 20.0 / MAX_SLOTS
+    assert g.rows[0][0] == "0F0" and g.rows[1][-1] == "1B0"

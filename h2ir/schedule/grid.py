@@ -46,6 +46,9 @@ def _cell(name: str, stage: int) -> str:
     return name
 
 
+MAX_SLOTS = 4096          # columns of a predicted grid at most
+
+
 def grid_from_events(events: list[TraceEvent], stage_of: dict[int, int],
                      slot_s: float | None = None) -> ScheduleGrid:
     """The compute-lane events of a timeline as a grid over the workers of `stage_of`."""
@@ -56,6 +59,12 @@ def grid_from_events(events: list[TraceEvent], stage_of: dict[int, int],
     if slot_s is None:
         slot_s = min(e.dur_s for e in compute if e.name != "opt_step") if any(
             e.name != "opt_step" for e in compute) else min(e.dur_s for e in compute)
+        # a timeline whose shortest action is tiny against the step (an embedding-only stage of
+        # a 100 B model: microseconds in a 20 s step) would need millions of columns per worker
+        # (24 GB for 232 workers: h2c compile was killed); past MAX_SLOTS a cell holds more time
+        # and short actions may share one
+        span = max(e.start_s + e.dur_s for e in compute)
+        slot_s = max(slot_s, span / MAX_SLOTS)
     spans = []
     for e in compute:         # every action gets at least one cell, even a very short one
         first = int(round(e.start_s / slot_s))
