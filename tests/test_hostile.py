@@ -621,9 +621,13 @@ def test_second_run_on_a_build_refuses(trained, tmp_path):
     shutil.rmtree(b / "ckpt")
     tmp, env = _private_tmp(tmp_path)
     exe = Path(sys.executable).parent / "h2x"
+    # Ctrl-C as a terminal gives it: SIGINT not ignored, whatever an earlier test in this
+    # pytest process left (a child inherits an ignored SIGINT, and Python then never raises
+    # KeyboardInterrupt: the run hung in full-suite runs, never alone)
     first = subprocess.Popen([str(exe), "run", str(b), "--steps", "100000", "--checkpoint-every",
                               "10"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env)
+                             stderr=subprocess.PIPE, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in first.stdout:
             if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 25:
