@@ -47,6 +47,11 @@ class Backend(Protocol):
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
         """In-place AdamW (Loshchilov & Hutter 2019), same formula as torch.optim.AdamW."""
 
+    def l2_norm(self, t) -> float:
+        """The L2 norm of a tensor in its own dtype's arithmetic (the vendor's reduction, as
+        torch.nn.utils.clip_grad_norm_ takes each gradient's norm); inf/nan when it is not
+        finite."""
+
 
 def is_comm(op: str) -> bool:
     """A communication op: run by the worker's comm hook, not by a backend kernel."""

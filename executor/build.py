@@ -113,6 +113,16 @@ class BuildDir:
         return {**zb, "bwd_input": load_graph(str(self.path / zb["bwd_input"])),
                 "bwd_weight": load_graph(str(self.path / zb["bwd_weight"]))}
 
+    def config(self):
+        """The job configuration the build was compiled with (train.toml; h2ir/config.py), h2x
+        run's defaults (a build without one: the defaults)."""
+        from h2ir.config import Config, apply_toml
+        f = self.path / self.manifest.get("config", "train.toml")
+        cfg = Config()
+        if f.is_file():
+            apply_toml(cfg, str(f))
+        return cfg
+
     def calibration(self):
         """The calibration the compile planned and predicted this build with (compiler
         `_write_calibration`), or None for a build of catalog chips or of an older h2c."""
@@ -225,17 +235,6 @@ class _ManifestCheck:
             self.fail("model", f"expected an object, got {_show(model)}")
         if model.get("vocab") is not None:
             self.integer(model, "vocab", 1, 1 << 31, "model.vocab")
-        opt = self.get(m, "optimizer", "optimizer")
-        if not isinstance(opt, dict):
-            self.fail("optimizer", f"expected an object, got {_show(opt)}")
-        self.number(opt, "lr", 0, 1e6, "optimizer.lr")
-        self.number(opt, "eps", 0, 1, "optimizer.eps")
-        self.number(opt, "weight_decay", 0, 1e6, "optimizer.weight_decay")
-        betas = self.get(opt, "betas", "optimizer.betas")
-        if not isinstance(betas, list) or len(betas) != 2:
-            self.fail("optimizer.betas", f"expected two numbers, got {_show(betas)}")
-        for i in range(2):
-            self.number({"b": betas[i]}, "b", 0, 1, f"optimizer.betas[{i}]")
         stages = self.listing("stages")
         for i, st in enumerate(stages):
             self.string(st, "backend", f"stages[{i}].backend")
@@ -267,6 +266,8 @@ class _ManifestCheck:
             self.file_in_build(w, "stream", f + ".stream")
             if "host" in w:             # absent in builds of older h2c: every worker on host 0
                 self.integer(w, "host", 0, MAX_WORKERS, f + ".host")
+        if "config" in m:
+            self.file_in_build(m, "config", "config")
         if "calibration" in m:          # absent in builds of older h2c and of catalog chips
             self.file_in_build(m, "calibration", "calibration")
         used = sorted({w.get("host", 0) for w in workers})

@@ -96,10 +96,25 @@ def invalidate(d: Path) -> None:
     _fsync_dir(d)
 
 
+def nonfinite_tensors(worker) -> list[str]:
+    """Names of this worker's parameters and AdamW moments that hold a NaN or an infinity."""
+    be, bad = worker.be, []
+    tables = [("param.", worker.params, worker.param_names),
+              ("exp_avg.", worker.exp_avg, worker.opt_names),
+              ("exp_avg_sq.", worker.exp_avg_sq, worker.opt_names)]
+    for prefix, table, names in tables:
+        bad += [prefix + k for k in names if not np.isfinite(be.to_numpy(table[k])).all()]
+    return bad
+
+
 def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
     """Write this worker's files of checkpoint `step`; returns {file name: {sha256, size}} for the
-    launcher's COMPLETE record."""
+    launcher's COMPLETE record. Weights or optimizer state that are not finite are not saved:
+    an H2Error-free `NonFinite` tells the launcher, which never marks that step complete."""
     from safetensors.numpy import save_file
+    bad = nonfinite_tensors(worker)
+    if bad:
+        raise NonFinite(bad)
     root = Path(root)
     d = step_dir(root, step)
     if not d.is_dir():
@@ -115,15 +130,27 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
         tensors[f"exp_avg_sq.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg_sq[k]))
     st_name, mp_name = worker_files(worker.wid)
     files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)))}
-    # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position.
+    # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position;
+    # the per-source sample counts and epochs are recorded beside it for a reader
     meta = {"step": step, "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
-            "worker": worker.wid, "stage": worker.stage_idx}
+            "worker": worker.wid, "stage": worker.stage_idx,
+            "skipped_in_row": getattr(worker, "skipped_in_row", 0)}
+    data = getattr(worker, "data", None) or next(
+        (ch.data for ch in getattr(worker, "chunks", ()) if ch.data is not None), None)
+    if data is not None:
+        meta["data"] = data.position(step)
     moe = getattr(worker, "moe", None)
     if moe:                          # expert placement after migrations (executor/experts.py)
         meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
         meta["moe_load_ema"] = {p: [float(x) for x in v] for p, v in moe.load_ema.items()}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
+
+
+class NonFinite(Exception):
+    def __init__(self, names: list[str]):
+        super().__init__(", ".join(names[:3]) + (" ..." if len(names) > 3 else ""))
+        self.names = names
 
 
 def load_worker_checkpoint(d: Path, worker) -> None:
@@ -148,6 +175,7 @@ def load_worker_checkpoint(d: Path, worker) -> None:
             raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
         table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
     worker.opt_steps = opt_steps
+    worker.skipped_in_row = int(meta.get("skipped_in_row", 0))
     placement = meta.get("moe_placement")
     moe = getattr(worker, "moe", None)
     if placement and moe:

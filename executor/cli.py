@@ -22,44 +22,61 @@ SUBCOMMANDS = {
 }
 
 
+# short flags of h2x run -> the job configuration's fields (h2ir/config.py)
+RUN_ALIASES = {"steps": ("training", "steps"), "data": ("data", "path"),
+               "data_format": ("data", "format"), "tokenizer": ("data", "tokenizer"),
+               "data_max_bytes": ("data", "max_bytes"), "json_log": ("logging", "json_log"),
+               "trace": ("logging", "trace"), "checkpoint_every": ("checkpoint", "every"),
+               "checkpoint_dir": ("checkpoint", "dir"), "resume": ("checkpoint", "resume"),
+               "transport": ("run", "transport"), "strict_transport": ("run", "strict_transport"),
+               "timeout": ("run", "timeout"), "device": ("run", "device")}
+
+
 def run_parser(prog: str = "h2x run") -> argparse.ArgumentParser:
     """h2x run's flags; `python -m executor.run` (the per-worker process under torchrun) reads
-    the same ones."""
-    from executor.data import FORMATS, MAX_BYTES
-    ap = argparse.ArgumentParser(prog=prog, description="Train from a build directory.")
+    the same ones. Each short flag sets a field of the job configuration (RUN_ALIASES); its
+    default is the build's train.toml, then --config."""
+    from executor.data import FORMATS
+    ap = argparse.ArgumentParser(prog=prog, description="Train from a build directory. Every "
+                                 "setting is a field of the job configuration (`h2c config` "
+                                 "lists them), starting from the build's train.toml: --config "
+                                 "FILE.toml sets fields, --section.field VALUE overrides one; "
+                                 "the flags below are short names of fields.")
     ap.add_argument("build", help="build directory written by `h2c compile`")
-    ap.add_argument("--steps", type=int_flag(1, MAX_STEPS), default=20,
-                    help="train until this step (default 20)")
-    ap.add_argument("--data", default=None, metavar="PATH", help="a text file or directory, or a "
+    ap.add_argument("--config", metavar="FILE.toml", help="the job configuration")
+    ap.add_argument("--steps", type=int_flag(1, MAX_STEPS), help="training.steps: train until "
+                    "this step (default 20)")
+    ap.add_argument("--data", metavar="PATH", help="data.path: a text file or directory, or a "
                     "token file (default: the Python standard library's source files)")
-    ap.add_argument("--data-format", default="auto", choices=FORMATS,
-                    help="auto (default): .bin/.u16 -> tokens-u16, .u32 -> tokens-u32, else text "
-                    "with --tokenizer, else bytes; tokens-u16/-u32: a flat little-endian id array "
-                    "(memory-mapped); text: tokenized with --tokenizer; bytes: byte values")
-    ap.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
-                    help="the model's tokenizer.json (the `tokenizers` library) for text data")
-    ap.add_argument("--data-max-bytes", type=int_flag(2, MAX_DATA_BYTES), default=MAX_BYTES,
-                    metavar="N",
-                    help=f"read at most the first N bytes of text (default {MAX_BYTES}); token "
-                    "files are memory-mapped whole")
-    ap.add_argument("--json-log", default=None, help="write one JSON object per step to FILE")
-    ap.add_argument("--trace", default=None, help="write the measured Chrome/Perfetto trace to FILE")
-    ap.add_argument("--checkpoint-every", type=int_flag(0, MAX_STEPS), default=0, metavar="K",
-                    help="save a checkpoint every K steps (default 0: never)")
-    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                    help="where checkpoints go (default BUILD/ckpt); multi-host: a directory "
-                    "every host sees (each host writes its own workers' files)")
-    ap.add_argument("--resume", nargs="?", const="yes", default=None, choices=["yes", "auto"],
-                    help="continue from the newest complete checkpoint; `--resume auto`: if "
-                    "there is one (a torchrun restart resumes automatically)")
-    ap.add_argument("--transport", default="shm", choices=["tcp", "shm", "rdma"],
-                    help="between the workers of one host (default shm); between hosts tcp "
-                    "(rdma where a device is), chosen per link")
-    ap.add_argument("--strict-transport", action="store_true",
-                    help="refuse to run if the asked transport is unavailable (default: fall back)")
-    ap.add_argument("--timeout", type=float_flag(0, MAX_TIMEOUT_S, lo_open=True), default=10.0,
-                    help="communication timeout, seconds (default 10)")
-    ap.add_argument("--device", default=None, help="torch device for torch-backend stages "
+    ap.add_argument("--data-format", choices=FORMATS,
+                    help="data.format; auto (default): .bin/.u16 -> tokens-u16, .u32 -> "
+                    "tokens-u32, else text with --tokenizer, else bytes; tokens-u16/-u32: a flat "
+                    "little-endian id array (memory-mapped); text: tokenized with --tokenizer; "
+                    "bytes: byte values")
+    ap.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                    help="data.tokenizer: the model's tokenizer.json for text data")
+    ap.add_argument("--data-max-bytes", type=int_flag(2, MAX_DATA_BYTES), metavar="N",
+                    help="data.max_bytes: read at most the first N bytes of text; token files "
+                    "are memory-mapped whole")
+    ap.add_argument("--json-log", help="logging.json_log: one JSON object per step to FILE")
+    ap.add_argument("--trace", help="logging.trace: the measured Chrome/Perfetto trace to FILE")
+    ap.add_argument("--checkpoint-every", type=int_flag(0, MAX_STEPS), metavar="K",
+                    help="checkpoint.every: save a checkpoint every K steps (default 0: never)")
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="checkpoint.dir (default BUILD/ckpt); multi-host: a directory every host "
+                    "sees (each host writes its own workers' files)")
+    ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
+                    help="checkpoint.resume: continue from the newest complete checkpoint; "
+                    "`--resume auto`: if there is one (a torchrun restart resumes automatically)")
+    ap.add_argument("--transport", choices=["tcp", "shm", "rdma"],
+                    help="run.transport: between the workers of one host (default shm); between "
+                    "hosts tcp (rdma where a device is), chosen per link")
+    ap.add_argument("--strict-transport", action="store_true", default=None,
+                    help="run.strict_transport: refuse to run if the asked transport is "
+                    "unavailable (default: fall back)")
+    ap.add_argument("--timeout", type=float_flag(0, MAX_TIMEOUT_S, lo_open=True),
+                    help="run.timeout: communication timeout, seconds (default 10)")
+    ap.add_argument("--device", help="run.device: torch device for torch-backend stages "
                     "(default: the one compiled in, e.g. cpu)")
     mh = ap.add_argument_group("multi-host (torchrun; docs/executor.md)")
     mh.add_argument("--nnodes", type=int_flag(1, 1 << 16), default=None, metavar="N",
@@ -80,8 +97,37 @@ def run_parser(prog: str = "h2x run") -> argparse.ArgumentParser:
     return ap
 
 
+def parse_run_args(argv: list[str], prog: str = "h2x run"):
+    """(args, config): the flags, and the job configuration they resolve to — the build's
+    train.toml < --config < short flags and --section.field. The resolved values are written
+    back into the short flags' attributes, which the launchers read. A change to a field the
+    programs depend on is refused."""
+    from h2ir import config as jobconfig
+    rest, overrides = jobconfig.split_overrides(argv)
+    a = run_parser(prog).parse_args(rest)
+    from executor.build import BuildDir
+    build = BuildDir(a.build)
+    built = build.config()
+    given = {field: getattr(a, dest) for dest, field in RUN_ALIASES.items()
+             if getattr(a, dest) is not None}
+    cfg = jobconfig.build_config(base=build.config(), config_file=a.config, overrides=overrides,
+                                 aliases=given)
+    changed = jobconfig.program_differences(built, cfg)
+    if changed:
+        raise H2Error(f"the build's programs depend on {changed[0].split(':')[0]}, which "
+                      f"differs from the build ({'; '.join(changed)})",
+                      a.config or str(build.path / "train.toml"),
+                      hint="recompile with `h2c compile` for other values")
+    for dest, (section, key) in RUN_ALIASES.items():
+        f = "global_" if key == "global" else key
+        setattr(a, dest, getattr(getattr(cfg, section), f))
+    a.resume = None if a.resume == "no" else a.resume
+    a.job = cfg
+    return a, cfg
+
+
 def run_main(argv: list[str]) -> int:
-    a = run_parser().parse_args(argv)
+    a, cfg = parse_run_args(argv)
     if a.nnodes is not None:
         from executor.run import launch
         return launch(a, argv)
@@ -98,7 +144,7 @@ def run_main(argv: list[str]) -> int:
         data_max_bytes=a.data_max_bytes, json_log=a.json_log, trace=a.trace,
         checkpoint_every=a.checkpoint_every, resume=bool(a.resume), transport=a.transport,
         strict_transport=a.strict_transport, timeout=a.timeout, device=a.device,
-        checkpoint_dir=a.checkpoint_dir)
+        checkpoint_dir=a.checkpoint_dir, config=cfg)
     return 0
 
 

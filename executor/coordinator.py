@@ -27,7 +27,6 @@ import numpy as np
 from executor import launcher
 from executor.checkpoint import build_fingerprint, complete_steps, remove_partial_writes, \
     resume_point
-from executor.data import prepare_data
 from executor.rundir import RunLock
 from executor.run import HANG_AFTER_S, HEARTBEAT_S, STARTUP_S
 from h2ir.errors import H2Error, InternalError, internal_error_text
@@ -92,8 +91,7 @@ class Coordinator(threading.Thread):
             transport = launcher._pick_transport(a.transport, a.strict_transport, out)
             fingerprint = build_fingerprint(build.path)
             start, resume_from = self._start_point(ckpt_dir, fingerprint)
-            data = prepare_data(build.manifest, build.path / "data", a.data, a.data_format,
-                                a.tokenizer, a.data_max_bytes, out)
+            settings = launcher.run_data(build, a.job, out)
             sim = launcher._predict(build, out)
             hosts = build.hosts
             out(f"starting {self.W} worker(s) on {len(hosts)} host(s) ["
@@ -107,13 +105,15 @@ class Coordinator(threading.Thread):
             self.records.put("plan", {
                 "start": min(start, a.steps), "resume_from": str(resume_from) if resume_from else None,
                 "transport": transport, "checkpoint_dir": str(ckpt_dir),
-                "data": data.path, "data_format": data.format, "data_max_bytes": data.max_bytes,
+                "settings": settings,
                 "trace": bool(a.trace), "t0_wall": time.time()})
             with (open(a.json_log, "a" if start else "w") if a.json_log
                   else contextlib.nullcontext()) as log_f:
                 run = launcher._Run(build, [], [], None, None, np.zeros((self.W, 4)), ckpt_dir,
                                     time.perf_counter(), fingerprint)
-                progress = launcher._Progress(run, self.result, a.steps, start, log_f, out)
+                progress = launcher._Progress(run, self.result, a.steps, start, log_f, out,
+                                              launcher.tensorboard_writer(
+                                                  a.job.logging.tensorboard))
                 self._pump(run, progress)
             out(self._links_by_host(progress.links))
             if a.trace:         # every worker published its trace before its `done`

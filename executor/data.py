@@ -1,4 +1,5 @@
-"""Training data: token ids from text or from a pre-tokenized file, drawn as micro-batches.
+"""Training data: token ids from text or from pre-tokenized files, read in epochs, blended by
+weight, and drawn as micro-batches.
 
 `h2x run BUILD --data PATH --data-format F [--tokenizer tokenizer.json]`:
 
@@ -21,19 +22,30 @@ memory-maps that prefix of a single file and reads a directory's files up to the
 own pre-tokenizer would split, see `_cut`; each file on its own) into a token cache file
 in the build directory, `BUILD/data/<name>-<key>.u16|.u32`, which the workers then memory-map like
 any token file. The key hashes the tokenizer file, the text files' paths, sizes and mtimes, the
-byte limit and the model's vocabulary: a resumed run finds the same cache, and a rebuilt one has
-the same bytes. Tokenizing once in the launcher also means the first and last stages, which both
-need the batch, never tokenize twice or disagree.
+byte limit, the end-of-document id and the model's vocabulary: a resumed run finds the same cache,
+and a rebuilt one has the same bytes. Tokenizing once in the launcher also means the first and
+last stages, which both need the batch, never tokenize twice or disagree.
 
-Batches are a pure function of (seed, step, replica, micro-batch), over every format: every worker
-that needs data (the first stage for tokens, the last for targets) draws the same batch without
-talking to the others, and a resumed run draws exactly the samples the uninterrupted run drew (the
-data position in a checkpoint is the step). Replica r of dp draws its windows from the r-th of dp
-contiguous, equal shares of the tokens: replicas never see the same token.
+Documents: each text file is a document, and tokenized text gets an end-of-document id after each
+one (the tokenizer's own `<|endoftext|>`, `</s>`, ... or an explicit id); token files carry theirs
+already, bytes have none. Windows are packed across documents, as nanoGPT's and Megatron's default
+packing: NOTE: attention is causal over the whole window, not masked at document boundaries (that
+needs per-document masks in the stage programs, which are not built).
+
+Sampling, as a trainer reads data: replica r of dp reads only the r-th of dp contiguous, equal
+shares of each source's tokens (replicas never see the same token). A share of n tokens holds
+N = (n-1) // seq_len windows of seq_len+1 tokens at stride seq_len; an epoch reads every window
+once, in an order reshuffled every epoch (or in order, for evaluation data). Several sources blend
+by weight: each sample goes to one source by a closed-form count (`_Blend`), and each source runs
+through its own epochs. Batches are a pure function of (seed, step, replica, micro-batch): every
+worker that needs data (the first stage for tokens, the last for targets) draws the same batch
+without talking to the others, and a resumed run draws exactly the samples the uninterrupted run
+drew (the data position in a checkpoint is the step; `TokenBatches.position` spells it out).
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sysconfig
 import time
@@ -47,12 +59,15 @@ from h2ir.errors import H2Error
 MAX_BYTES = 4 << 20       # of text, by default: 4 MiB is plenty for the tiny models
 TEXT_CHUNK = 1 << 20      # bytes of text tokenized at a time
 SCAN_ELEMS = 1 << 20      # token ids read at a time by the vocabulary check
-CACHE_VERSION = b"h2-token-cache/1"
+CACHE_VERSION = b"h2-token-cache/2"      # 2: an end-of-document id after each file
 
 FORMATS = ("auto", "text", "bytes", "tokens-u16", "tokens-u32")
 TOKEN_DTYPES = {"tokens-u16": np.dtype("<u2"), "tokens-u32": np.dtype("<u4")}
 SUFFIX_FORMATS = {".bin": "tokens-u16", ".u16": "tokens-u16", ".u32": "tokens-u32"}
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
+# a tokenizer's end-of-document token: the first of these its vocabulary holds (GPT-2/Qwen,
+# LLaMA 1-2/Mistral, Gemma-style, LLaMA 3, BERT)
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 @dataclass(frozen=True)
@@ -68,9 +83,82 @@ class DataSpec:
         return (["--data", self.path] if self.path else []) + args
 
 
+def _is_weight(w) -> bool:
+    """A blend weight: a positive finite number (not a bool)."""
+    return isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool) \
+        and math.isfinite(w) and w > 0
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One source of a DataMix: a DataSpec and its weight in the blend."""
+    path: str | None
+    format: str
+    max_bytes: int = MAX_BYTES
+    weight: float = 1.0
+
+    @property
+    def spec(self) -> DataSpec:
+        return DataSpec(self.path, self.format, self.max_bytes)
+
+    @property
+    def name(self) -> str:
+        return self.path or str(default_corpus_dir())
+
+
+@dataclass(frozen=True)
+class DataMix:
+    """What every worker opens when data blends several sources (or reads one in order, for
+    evaluation): the launcher's choices, serialisable so that workers rebuild exactly them."""
+    sources: tuple[MixSource, ...]
+    shuffle: bool = True
+
+    @classmethod
+    def single(cls, spec: DataSpec, shuffle: bool = True) -> "DataMix":
+        return cls((MixSource(spec.path, spec.format, spec.max_bytes),), shuffle)
+
+    def to_json(self) -> dict:
+        return {"sources": [{"path": s.path, "format": s.format, "max_bytes": s.max_bytes,
+                             "weight": s.weight} for s in self.sources],
+                "shuffle": self.shuffle}
+
+    @classmethod
+    def from_json(cls, d, where: str | None = None) -> "DataMix":
+        """The DataMix of `to_json`; anything else is an H2Error located at `where`."""
+        def bad(what):
+            return H2Error(f"malformed data mix: {what}", where,
+                           hint='expected {"sources": [{"path", "format", "max_bytes", '
+                                '"weight"}, ...], "shuffle": bool}')
+        if not isinstance(d, dict) or set(d) != {"sources", "shuffle"}:
+            raise bad("not an object with keys sources and shuffle")
+        if not isinstance(d["shuffle"], bool):
+            raise bad(f"shuffle is {d['shuffle']!r}, not true or false")
+        if not isinstance(d["sources"], list) or not d["sources"]:
+            raise bad("sources is not a non-empty list")
+        out = []
+        for i, s in enumerate(d["sources"]):
+            if not isinstance(s, dict) or set(s) != {"path", "format", "max_bytes", "weight"}:
+                raise bad(f"source {i} is not an object with keys path, format, max_bytes, weight")
+            if s["path"] is not None and not isinstance(s["path"], str):
+                raise bad(f"source {i}: path {s['path']!r} is not a string or null")
+            if s["format"] not in ("bytes", *TOKEN_DTYPES):
+                raise bad(f"source {i}: format {s['format']!r} is not bytes or a token format")
+            if type(s["max_bytes"]) is not int or s["max_bytes"] < 2:
+                raise bad(f"source {i}: max_bytes {s['max_bytes']!r} is not an integer >= 2")
+            w = s["weight"]
+            if not _is_weight(w):
+                raise bad(f"source {i}: weight {w!r} is not a positive finite number")
+            out.append(MixSource(s["path"], s["format"], s["max_bytes"], float(w)))
+        return cls(tuple(out), d["shuffle"])
+
+
 # ---- text files ------------------------------------------------------------------------------
 def default_corpus_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+DEFAULT_CORPUS = ("the default corpus (no data path given: this Python's standard library "
+                  f"sources in {default_corpus_dir()})")
 
 
 def _files(root: Path) -> list[Path]:
@@ -273,12 +361,38 @@ def text_pieces(files: list[Path], max_bytes: int, chunk: int = TEXT_CHUNK):
                     break
 
 
+def end_of_document(tok, eod: int | None, vocab: int | None, where: str) -> tuple[int | None, str]:
+    """(id, what the data line says) of the end-of-document token: `eod` when given (a negative
+    one: none), else the first of EOD_TOKENS the tokenizer holds, else none."""
+    if eod is not None and eod < 0:
+        return None, "no end-of-document token (none asked for)"
+    if eod is not None:
+        how = f"end-of-document id {eod} (given) after each file"
+    else:
+        found = next(((t, i) for t in EOD_TOKENS if (i := tok.token_to_id(t)) is not None), None)
+        if found is None:
+            return None, ("no end-of-document token (the tokenizer has none of "
+                          f"{', '.join(EOD_TOKENS)})")
+        eod = found[1]
+        how = f"end-of-document id {eod} ({found[0]}, the tokenizer's own) after each file"
+    if vocab and eod >= vocab:
+        raise H2Error(f"end-of-document id {eod} is outside the model's vocabulary (vocab {vocab}: "
+                      f"ids 0..{vocab - 1})", where)
+    return eod, how
+
+
 def tokenize_text(tokenizer, files: list[Path], max_bytes: int, vocab: int | None,
-                  write, chunk: int = TEXT_CHUNK) -> int:
-    """Stream the files' text through the tokenizer; write(ids) each piece's ids (uint32).
-    Returns the number of tokens. Special tokens (BOS/EOS) are not added."""
-    n = 0
+                  write, chunk: int = TEXT_CHUNK, eod: int | None = None) -> int:
+    """Stream the files' text through the tokenizer; write(ids) each piece's ids (uint32), and
+    [eod] after each file's last piece when `eod` is an id (each file is a document). Returns the
+    number of tokens. The tokenizer's own special tokens (BOS/EOS) are not added."""
+    n, doc = 0, None
+    end = np.array([] if eod is None else [eod], dtype=np.uint32)
     for f, pos, text in text_pieces(files, max_bytes, chunk):
+        if doc is not None and f != doc:
+            write(end)
+            n += end.size
+        doc = f
         enc = tokenizer.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.uint32)
         if vocab and ids.size and int(ids.max()) >= vocab:
@@ -290,35 +404,43 @@ def tokenize_text(tokenizer, files: list[Path], max_bytes: int, vocab: int | Non
                           "is it the model's own tokenizer?")
         write(ids)
         n += ids.size
+    if doc is not None:
+        write(end)
+        n += end.size
     return n
 
 
 def _cache_key(tokenizer_path: str, files: list[Path], max_bytes: int, vocab: int | None,
-               chunk: int) -> str:
+               chunk: int, eod: int | None = None) -> str:
     h = hashlib.sha256(CACHE_VERSION)
     h.update(hashlib.sha256(Path(tokenizer_path).read_bytes()).digest())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    h.update(f"{max_bytes}\0{vocab}\0{chunk}".encode())
+    h.update(f"{max_bytes}\0{vocab}\0{chunk}\0{eod}".encode())
     return h.hexdigest()[:16]
 
 
 def token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max_bytes: int,
-                vocab: int | None, out=print, chunk: int = TEXT_CHUNK) -> tuple[Path, str]:
-    """The token cache file of this text and tokenizer (written if missing) and its format."""
+                vocab: int | None, out=print, chunk: int = TEXT_CHUNK, eod: int | None = None,
+                what: str = "data") -> tuple[Path, str, str]:
+    """The token cache file of this text and tokenizer (written if missing), its format, and
+    what the data line says of its end-of-document id (`eod`: as `end_of_document` takes it)."""
     tok = load_tokenizer(tokenizer_path)
-    fmt = "tokens-u16" if tok.get_vocab_size() <= 1 << 16 else "tokens-u32"
+    eod, eod_note = end_of_document(tok, eod, vocab, str(tokenizer_path))
+    ids = max(tok.get_vocab_size(), 0 if eod is None else eod + 1)
+    fmt = "tokens-u16" if ids <= 1 << 16 else "tokens-u32"
     files = text_files(text_path, max_bytes)
+    label = text_path or DEFAULT_CORPUS
     if not files:
         raise H2Error("no text found to train on (expected a text file or a directory of "
                       ".py/.txt/.md/.rst files)", str(text_path or default_corpus_dir()))
-    key = _cache_key(tokenizer_path, files, max_bytes, vocab, chunk)
+    key = _cache_key(tokenizer_path, files, max_bytes, vocab, chunk, eod)
     suffix = ".u16" if fmt == "tokens-u16" else ".u32"
     cache = Path(cache_dir) / f"{files[0].stem}-{key}{suffix}"
     if cache.is_file():
-        out(f"data: tokens of {text_path or 'the stdlib sources'} cached in {cache}")
-        return cache, fmt
+        out(f"{what}: tokens of {label} cached in {cache}")
+        return cache, fmt, eod_note
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
     dtype = TOKEN_DTYPES[fmt]
@@ -326,13 +448,13 @@ def token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max
     try:
         with open(tmp, "wb") as fh:
             n = tokenize_text(tok, files, max_bytes, vocab, lambda ids: ids.astype(dtype).tofile(fh),
-                              chunk)
+                              chunk, eod)
         os.replace(tmp, cache)
     finally:
         tmp.unlink(missing_ok=True)
-    out(f"data: tokenized {text_path or 'the stdlib sources'} with {tokenizer_path}: {n} tokens "
+    out(f"{what}: tokenized {label} with {tokenizer_path}: {n} tokens "
         f"in {time.perf_counter() - t0:.1f} s, cached in {cache}")
-    return cache, fmt
+    return cache, fmt, eod_note
 
 
 # ---- choosing and opening a source -----------------------------------------------------------
@@ -350,22 +472,23 @@ def resolve_format(path: str | None, fmt: str, tokenizer: str | None) -> tuple[s
     return "bytes", "no --tokenizer"
 
 
-def prepare_data(manifest: dict, cache_dir: Path, path: str | None = None, fmt: str = "auto",
-                 tokenizer: str | None = None, max_bytes: int | None = None,
-                 out=print) -> DataSpec:
-    """Check the data against the build (vocabulary, enough tokens per replica), tokenize text
-    into its cache, and say what was chosen; the DataSpec is what the workers open."""
-    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
-    if max_bytes < 2:
-        raise H2Error(f"--data-max-bytes must be at least 2 (got {max_bytes})")
+def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
+                    tokenizer: str | None, max_bytes: int, eod: int | None, out, what: str,
+                    alone: bool) -> tuple[DataSpec, np.ndarray, str]:
+    """One source checked against the build (vocabulary) and tokenized into its cache: its
+    DataSpec, its tokens, and what its data line says of it. `alone`: the only source, so a
+    tokenizer it does not use is an error here (in a blend, a token file beside text is fine)."""
+    if type(max_bytes) is not int or max_bytes < 2:
+        raise H2Error(f"--data-max-bytes must be at least 2 (got {max_bytes})", path)
     fmt, why = resolve_format(path, fmt, tokenizer)
     vocab = int((manifest.get("model") or {}).get("vocab") or 0) or None
-    if tokenizer and fmt != "text":
+    if tokenizer and (fmt == "bytes" or alone and fmt != "text"):
         raise H2Error(f"--tokenizer is only used with text data, but the data is read as {fmt} "
                       f"({why})", str(path), hint="say --data-format text to tokenize it")
     if fmt == "text" and not tokenizer:
         raise H2Error("--data-format text needs --tokenizer tokenizer.json (the model's own); "
                       "--data-format bytes trains on byte values instead", path)
+    label = path or DEFAULT_CORPUS
     if fmt in TOKEN_DTYPES:
         if not path:
             raise H2Error(f"--data-format {fmt} needs --data PATH (a token file)")
@@ -373,21 +496,79 @@ def prepare_data(manifest: dict, cache_dir: Path, path: str | None = None, fmt: 
         tokens = open_token_file(path, fmt)
         if vocab:
             check_token_file(path, fmt, vocab)
-        what = f"{path}: {len(tokens)} {TOKEN_DTYPES[fmt].name} token ids, memory-mapped ({why})"
+        desc = f"{path}: {len(tokens)} {TOKEN_DTYPES[fmt].name} token ids, memory-mapped ({why})"
     elif fmt == "text":
-        cache, cfmt = token_cache(Path(cache_dir), path, tokenizer, max_bytes, vocab, out)
+        cache, cfmt, eod_note = token_cache(Path(cache_dir), path, tokenizer, max_bytes, vocab, out,
+                                            eod=eod, what=what)
         spec = DataSpec(str(cache), cfmt, max_bytes)
         tokens = open_token_file(spec.path, cfmt)
-        what = f"{path or 'the stdlib sources'}: {len(tokens)} tokens from {tokenizer}"
+        desc = f"{label}: {len(tokens)} tokens from {tokenizer}, {eod_note}"
     else:
         spec = DataSpec(path, "bytes", max_bytes)
         tokens = load_corpus(path, max_bytes, vocab)
-        what = f"{path or 'the stdlib sources'}: {len(tokens)} byte tokens ({why})"
-    TokenBatches(tokens, manifest["micro_batch"], manifest["seq_len"],
-                 manifest["num_microbatches"], manifest["dp"], manifest["seed"],
-                 name=spec.path or str(default_corpus_dir()))
-    out(f"data: {what}; {manifest['dp']} replica share(s)")
-    return spec
+        desc = f"{label}: {len(tokens)} byte tokens ({why})"
+    return spec, tokens, desc
+
+
+def prepare_data(manifest: dict, cache_dir: Path, path: str | None = None, fmt: str = "auto",
+                 tokenizer: str | None = None, max_bytes: int | None = None,
+                 out=print, eod: int | None = None, what: str = "data") -> DataSpec:
+    """Check one source against the build (vocabulary, enough tokens per replica), tokenize text
+    into its cache, and say what was chosen; the DataSpec is what the workers open."""
+    source = {"path": path, "format": fmt}
+    if max_bytes is not None:
+        source["max_bytes"] = max_bytes
+    return prepare_mix(manifest, cache_dir, [source], tokenizer, eod, True, out, what) \
+        .sources[0].spec
+
+
+SOURCE_KEYS = ("path", "format", "weight", "max_bytes")
+
+
+def prepare_mix(manifest: dict, cache_dir: Path, sources: list[dict], tokenizer: str | None = None,
+                eod: int | None = None, shuffle: bool = True, out=print,
+                what: str = "data") -> DataMix:
+    """`prepare_data` for a blend: each source ({"path": str | None (the default corpus),
+    "format": "auto", "weight": 1.0, "max_bytes": MAX_BYTES}) is checked and tokenized on its own,
+    and each gets one `what:` line (plus one line naming the weights of a blend). `eod`: the
+    end-of-document id after each tokenized file (None: the tokenizer's own, if any; -1: none)."""
+    if not isinstance(sources, list) or not sources:
+        raise H2Error(f"{what}: expected a non-empty list of data sources")
+    checked = []
+    for i, src in enumerate(sources):
+        where = src.get("path") if isinstance(src, dict) else None
+        if not isinstance(src, dict) or set(src) - set(SOURCE_KEYS):
+            extra = sorted(set(src) - set(SOURCE_KEYS)) if isinstance(src, dict) else src
+            raise H2Error(f"{what} source {i}: unknown key(s) {extra} (expected a dict of "
+                          f"{', '.join(SOURCE_KEYS)})", where)
+        w = src.get("weight", 1.0)
+        if not _is_weight(w):
+            raise H2Error(f"{what} source {i} has weight {w!r}; a weight is a positive finite "
+                          "number", where or DEFAULT_CORPUS)
+        max_bytes = src.get("max_bytes")
+        checked.append((src.get("path"), src.get("format", "auto"), float(w),
+                        MAX_BYTES if max_bytes is None else max_bytes))
+    if tokenizer and len(checked) > 1 and \
+            all(resolve_format(p, f, tokenizer)[0] != "text" for p, f, _, _ in checked):
+        raise H2Error("--tokenizer is only used with text data, but no data source is read as "
+                      "text", str(tokenizer), hint="say format text for a source to tokenize it")
+    mix, tokens, lines = [], [], []
+    for path, fmt, w, max_bytes in checked:
+        spec, toks, desc = _prepare_source(manifest, cache_dir, path, fmt, tokenizer, max_bytes,
+                                           eod, out, what, alone=len(checked) == 1)
+        mix.append(MixSource(spec.path, spec.format, spec.max_bytes, w))
+        tokens.append((toks, w, spec.path or str(default_corpus_dir())))
+        lines.append(desc)
+    data = DataMix(tuple(mix), shuffle)
+    batches = TokenBatches(tokens, manifest["micro_batch"], manifest["seq_len"],
+                           manifest["num_microbatches"], manifest["dp"], manifest["seed"],
+                           shuffle=shuffle)
+    for desc, src in zip(lines, batches.sources):
+        out(f"{what}: {desc}; {batches.describe(src)}")
+    if len(mix) > 1:
+        out(f"{what}: a blend of {len(mix)} sources by weight: " +
+            ", ".join(f"{s.name} {100 * s.weight:.1f}%" for s in batches.sources))
+    return data
 
 
 def open_tokens(spec: DataSpec) -> np.ndarray:
@@ -397,31 +578,195 @@ def open_tokens(spec: DataSpec) -> np.ndarray:
     return load_corpus(spec.path, spec.max_bytes)
 
 
-class TokenBatches:
-    """Deterministic (tokens, targets) micro-batches drawn from a token array (an ndarray or a
-    memory map: only the drawn windows are read)."""
+def open_batches(mix: DataMix, micro_batch: int, seq_len: int, num_microbatches: int, dp: int,
+                 seed: int) -> "TokenBatches":
+    """The micro-batches a worker draws from a DataMix (every source opened as `open_tokens`)."""
+    return TokenBatches([(open_tokens(s.spec), s.weight, s.name) for s in mix.sources],
+                        micro_batch, seq_len, num_microbatches, dp, seed, shuffle=mix.shuffle)
 
-    def __init__(self, corpus: np.ndarray, micro_batch: int, seq_len: int, num_microbatches: int,
-                 dp: int, seed: int = 0, name: str | None = None):
-        self.corpus = corpus
+
+# ---- sampling: epochs over windows, blends by weight ----------------------------------------
+@dataclass
+class Source:
+    """One source's tokens, its weight (normalised) and, per replica, its share [lo, hi) of the
+    tokens and the number of windows in that share."""
+    tokens: np.ndarray
+    weight: float
+    name: str
+    shards: list[tuple[int, int]]
+    windows: list[int]
+
+
+FEISTEL_ROUNDS = 6
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)   # splitmix64's
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (Steele et al. 2014): every input bit flips about half the output
+    bits, the round function of `permute`."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """π(index) for a permutation π of [0, n) keyed by `keys`, one index at a time: a balanced
+    Feistel network over the fewest even bits that hold n-1, cycle-walked back into [0, n) (Black &
+    Rogaway, "Ciphers with arbitrary finite domains", 2002). NOTE: not a materialised
+    rng.permutation(n): an epoch of a large file has hundreds of millions of windows, and this
+    keeps a worker's memory bounded and every batch O(micro_batch) to draw."""
+    x = np.asarray(index, dtype=np.uint64).copy()
+    if n <= 1:
+        return np.zeros(x.shape, dtype=np.int64)
+    half = ((n - 1).bit_length() + 1) // 2
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    todo = np.ones(x.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        while todo.any():                # expected < 4 rounds: the domain is < 4n
+            y = x[todo]
+            left, right = y >> shift, y & mask
+            for k in keys:
+                left, right = right, left ^ (_mix64(right ^ k) & mask)
+            y = (left << shift) | right
+            x[todo] = y
+            todo[todo] = y >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+class _Blend:
+    """Which source each sample of a replica goes to, in closed form. Level l splits the samples
+    left after levels 0..l-1 between source l and the rest: of the first n of them, source l gets
+    A_l(n) = (p_l * n + c_l) // Q, with p_l / Q its share of what is left (quantised, exact
+    integer arithmetic) and c_l < Q a seeded offset (so a blend does not always start with source
+    0). A_l never falls and grows by 0 or 1 per sample, so sample g goes to the first level whose
+    count grows between g and g+1, and its index within that source is the count before it. Over
+    the first n samples, source l's count is within l+1 samples of weight * n (plus n / 2**33 for
+    the quantised weights)."""
+    Q = 1 << 32
+    SALT = 0x626C656E64                   # b"blend": offsets apart from the epochs' keys
+
+    def __init__(self, weights: list[float], seed: int):
+        self.levels = []
+        left = sum(weights)
+        for l, w in enumerate(weights[:-1]):
+            p = min(max(round(w / left * self.Q), 1), self.Q - 1)
+            c = int(np.random.SeedSequence([seed, self.SALT, l]).generate_state(1, np.uint64)[0])
+            self.levels.append((p, c % self.Q))
+            left -= w
+
+    def source_of(self, g: int) -> tuple[int, int]:
+        """(source, index within that source) of sample g."""
+        for l, (p, c) in enumerate(self.levels):
+            before = (p * g + c) // self.Q
+            if (p * (g + 1) + c) // self.Q > before:
+                return l, before
+            g -= before
+        return len(self.levels), g
+
+    def count(self, source: int, n: int) -> int:
+        """How many of the first n samples go to `source`."""
+        for p, c in self.levels[:source]:
+            n -= (p * n + c) // self.Q
+        if source < len(self.levels):
+            p, c = self.levels[source]
+            return (p * n + c) // self.Q
+        return n
+
+
+class TokenBatches:
+    """Deterministic (tokens, targets) micro-batches from one token array (an ndarray or a memory
+    map: only the drawn windows are read) or a blend of several, [(tokens, weight, name), ...].
+    Sample j of micro-batch mb of a step is replica r's sample g = (step * num_microbatches + mb)
+    * micro_batch + j; it goes to one source (`_Blend`), as that source's a-th sample, which is
+    window a % N of epoch a // N in that epoch's order (`permute`, keyed by seed, source, replica
+    and epoch; in order when not `shuffle`)."""
+
+    def __init__(self, corpus, micro_batch: int, seq_len: int, num_microbatches: int,
+                 dp: int, seed: int = 0, name: str | None = None, *, shuffle: bool = True):
         self.mb, self.seq, self.m, self.dp, self.seed = micro_batch, seq_len, num_microbatches, dp, seed
-        n = len(corpus)
+        self.shuffle = shuffle
+        given = corpus if isinstance(corpus, list) else [(corpus, 1.0, name)]
+        if not given:
+            raise H2Error("no data sources to draw from")
+        total = 0.0
+        for i, (_, w, src_name) in enumerate(given):
+            if not _is_weight(w):
+                raise H2Error(f"data source {i} has weight {w!r}; a weight is a positive finite "
+                              "number", src_name)
+            total += w
+        self.sources = [self._source(tokens, w / total, src_name or f"source {i}")
+                        for i, (tokens, w, src_name) in enumerate(given)]
+        self.corpus = self.sources[0].tokens      # the (first) source's tokens
+        self.shards = self.sources[0].shards
+        self._blend = _Blend([s.weight for s in self.sources], seed)
+        self._keys: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def _source(self, tokens: np.ndarray, weight: float, name: str) -> Source:
+        n, dp, seq = len(tokens), self.dp, self.seq
         bounds = [r * n // dp for r in range(dp + 1)]
-        self.shards = list(zip(bounds[:-1], bounds[1:]))   # replica r: tokens [lo, hi)
-        share = min(hi - lo for lo, hi in self.shards)
-        if share <= seq_len + 1:
+        shards = list(zip(bounds[:-1], bounds[1:]))   # replica r: tokens [lo, hi)
+        share = min(hi - lo for lo, hi in shards)
+        if share < seq + 1:
             per = f" ({share} per replica of {dp})" if dp > 1 else ""
-            raise H2Error(f"data has {n} tokens{per}; need more than seq_len+1 = {seq_len + 1} "
-                          "per replica", name)
+            raise H2Error(f"data has {n} tokens{per}; need more than seq_len = {seq} per replica "
+                          f"(a window is seq_len+1 = {seq + 1} tokens)", name)
+        return Source(tokens, weight, name, shards, [(hi - lo - 1) // seq for lo, hi in shards])
+
+    def _epoch_keys(self, source: int, replica: int, epoch: int) -> np.ndarray:
+        """The keys of one epoch's order (kept for the next micro-batches of the same epoch)."""
+        k = (source, replica, epoch)
+        if k not in self._keys:
+            if len(self._keys) >= 64:
+                self._keys.clear()
+            self._keys[k] = np.random.SeedSequence([self.seed, source, replica, epoch]) \
+                .generate_state(FEISTEL_ROUNDS, np.uint64)
+        return self._keys[k]
+
+    def _windows(self, source: int, replica: int, index: np.ndarray) -> np.ndarray:
+        """The window (0..N-1 in the replica's share) of each of the source's samples `index`."""
+        n = self.sources[source].windows[replica]
+        epoch, pos = index // n, index % n
+        if not self.shuffle:
+            return pos
+        out = np.empty_like(pos)
+        for e in np.unique(epoch):
+            at = epoch == e
+            out[at] = permute(pos[at], n, self._epoch_keys(source, replica, int(e)))
+        return out
 
     def micro_batch(self, step: int, replica: int, mb: int) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = self.shards[replica]
-        rng = np.random.default_rng([self.seed, step, replica, mb])
-        starts = lo + rng.integers(0, hi - lo - self.seq - 1, size=self.mb)
-        idx = starts[:, None] + np.arange(self.seq + 1)[None, :]
-        window = np.asarray(self.corpus[idx]).astype(np.int64)
+        first = (step * self.m + mb) * self.mb
+        drawn = [self._blend.source_of(first + j) for j in range(self.mb)]
+        window = np.empty((self.mb, self.seq + 1), dtype=np.int64)
+        for s, src in enumerate(self.sources):
+            rows = [j for j, (t, _) in enumerate(drawn) if t == s]
+            if not rows:
+                continue
+            index = np.array([drawn[j][1] for j in rows], dtype=np.int64)
+            starts = src.shards[replica][0] + self._windows(s, replica, index) * self.seq
+            window[rows] = src.tokens[starts[:, None] + np.arange(self.seq + 1)[None, :]]
         return window[:, :-1], window[:, 1:]
 
     def global_batch(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """All micro-batches of a step in the order the pipeline consumes them."""
         return [self.micro_batch(step, r, i) for r in range(self.dp) for i in range(self.m)]
+
+    def position(self, step: int) -> dict:
+        """The data position at the start of `step` (for checkpoints and logs): per replica and
+        source, the samples drawn so far, the epoch and the index within it."""
+        samples = step * self.m * self.mb
+        return {"step": step, "samples": samples, "shuffle": self.shuffle,
+                "replicas": [{"replica": r, "sources": [
+                    {"name": src.name, "samples": (a := self._blend.count(s, samples)),
+                     "epoch": a // src.windows[r], "index": a % src.windows[r],
+                     "windows": src.windows[r]}
+                    for s, src in enumerate(self.sources)]} for r in range(self.dp)]}
+
+    def describe(self, src: Source) -> str:
+        """A source's epochs, for its data line."""
+        n = min(src.windows)
+        steps = n / (src.weight * self.m * self.mb)
+        per = f"{self.dp} replica shares of {n}" if self.dp > 1 else f"{n}"
+        order = "reshuffled every epoch" if self.shuffle else "read in order"
+        return (f"{per} windows of {self.seq}+1 tokens, {order}; an epoch is "
+                f"{steps:.4g} steps")

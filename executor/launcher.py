@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import signal
@@ -26,7 +27,7 @@ from executor import dicomm
 from executor.build import BuildDir
 from executor.checkpoint import (build_fingerprint, complete_steps, mark_complete,
                                  remove_partial_writes, resume_point)
-from executor.data import prepare_data
+from executor.data import prepare_mix
 from executor.rundir import RunLock, run_temp_dir, writable_dir, writable_file
 from executor.worker import STATUS_FIELDS
 from h2ir.clusters.clusterfile import load_cluster
@@ -52,6 +53,9 @@ class RunResult:
     sent_bytes: list = field(default_factory=list)      # per step: worker -> {act, grad} bytes
     transport: str = ""
     moe: list = field(default_factory=list)             # per step: MoE layer -> loads (merge_moe)
+    eval_losses: list = field(default_factory=list)     # (step, held-out loss)
+    grad_norms: list = field(default_factory=list)      # per step: the global gradient norm
+    lrs: list = field(default_factory=list)             # per step: the learning rate
 
 
 def _reader(proc, wid, q):
@@ -80,6 +84,40 @@ def _kill_all(procs):
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def tensorboard_writer(log_dir: str | None):
+    """torch.utils.tensorboard's SummaryWriter on `log_dir` (logging.tensorboard), or None."""
+    if not log_dir:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise H2Error("logging.tensorboard needs the tensorboard package",
+                      hint="pip install tensorboard (or the h2[tensorboard] extra), or leave "
+                           "logging.tensorboard unset") from None
+    return SummaryWriter(log_dir=log_dir)
+
+
+def run_data(build: BuildDir, cfg, out) -> dict:
+    """The run's training data and evaluation settings as the workers take them (JSON): data
+    sources checked against the build and text tokenized here, before any worker starts."""
+    d = cfg.data
+    sources = d.sources or [{"path": d.path, "format": d.format, "max_bytes": d.max_bytes}]
+    if d.sources and d.path:
+        raise H2Error("data.path and data.sources are both set: give one (a single path, or a "
+                      "blend of sources)")
+    mix = prepare_mix(build.manifest, build.path / "data", sources, tokenizer=d.tokenizer,
+                      eod=d.eod_token, shuffle=d.shuffle, out=out)
+    settings = {"data": mix.to_json(), "eval": None}
+    e = cfg.eval
+    if e.data:
+        emix = prepare_mix(build.manifest, build.path / "data",
+                           [{"path": e.data, "format": e.format, "max_bytes": d.max_bytes}],
+                           tokenizer=d.tokenizer, eod=d.eod_token, shuffle=False, out=out,
+                           what="eval data")
+        settings["eval"] = {"data": emix.to_json(), "every": e.every, "steps": e.steps}
+    return settings
 
 
 def predicted_step_time(build: BuildDir) -> SimResult:
@@ -169,12 +207,13 @@ def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace,
 
 def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, start, resume_from,
                    transport, checkpoint_every, timeout, device, data, out,
-                   ckpt_dir: Path) -> _Run:
+                   ckpt_dir: Path, recipe: dict) -> _Run:
     m = build.manifest
     W = len(build.workers)
     store = dicomm.reserve_store("127.0.0.1")   # its TCPStore starts once the workers have
     secret = dicomm.new_secret()
     status_path = run_dir / "status.bin"
+    (run_dir / "recipe.json").write_text(json.dumps(recipe))
     status = np.memmap(status_path, dtype=np.float64, mode="w+", shape=(W, STATUS_FIELDS))
     status[:] = 0
     status[:, 0] = time.time()
@@ -199,8 +238,8 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
                    "--start", str(start), "--transport", transport, "--status", str(status_path),
                    "--run-dir", str(run_dir), "--checkpoint-every", str(checkpoint_every),
                    "--checkpoint-dir", str(ckpt_dir),
-                   "--timeout", str(timeout)] + (["--device", device] if device else [])
-            cmd += data.worker_args()
+                   "--timeout", str(timeout), "--recipe", str(run_dir / "recipe.json")] + \
+                (["--device", device] if device else [])
             if resume_from:
                 cmd += ["--resume-from", str(resume_from)]
             err = open(worker_log_path(build.path, w), "w")
@@ -222,14 +261,20 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
 class _Progress:
     """Turns the workers' events into step lines, the JSON log and complete checkpoints."""
 
-    def __init__(self, run: _Run, result: RunResult, steps: int, start: int, log_f, out):
+    def __init__(self, run: _Run, result: RunResult, steps: int, start: int, log_f, out,
+                 tensorboard=None):
         self.run, self.result, self.steps, self.start, self.log_f, self.out = \
             run, result, steps, start, log_f, out
+        self.tb = tensorboard           # a SummaryWriter (logging.tensorboard), or None
         self.W = len(run.build.workers)
         m = run.build.manifest
         self.tokens_per_step = m["global_batch"] * m["seq_len"]
+        self.skipped = 0                # steps skipped by the NaN guard in this run
+        self.flops_per_step, self.peak_flops = model_flops(run.build)
         self.step_reports: dict[int, dict] = {}
         self.ckpt_reports: dict[int, dict] = {}      # step -> {worker: its files' digests}
+        self.ckpt_failed: set = set()
+        self.eval_reports: dict[int, list] = {}   # steps a worker could not save (non-finite state)
         self.done: set = set()
         self.links: list = []
         self.ready = 0
@@ -249,7 +294,15 @@ class _Progress:
                          f"(requested transport {self.result.transport})")
         elif kind == "step":
             self.on_step(w, ev)
+        elif kind == "checkpoint" and ev.get("nonfinite"):
+            self.ckpt_failed.add(ev["step"])
+            self.ckpt_reports.pop(ev["step"], None)
+            self.out(f"warning: checkpoint of step {ev['step']} not saved: worker w{w}'s "
+                     f"{', '.join(ev['nonfinite'][:3])} are not finite; --resume takes an "
+                     "earlier one")
         elif kind == "checkpoint":
+            if ev["step"] in self.ckpt_failed:
+                return
             got = self.ckpt_reports.setdefault(ev["step"], {})
             got[w] = ev.get("files", {})
             if len(got) == self.W:      # every worker's files are durable: the step is complete
@@ -262,6 +315,20 @@ class _Progress:
                 self.out(dicomm.describe_links(self.links))
                 self.result.transport = ",".join(dict.fromkeys(l["transport"] for l in self.links)) \
                     or self.result.transport
+        elif kind == "eval":
+            got = self.eval_reports.setdefault(ev["step"], [])
+            got.append(ev["loss"])
+            if len(got) == self.run.build.manifest["dp"]:    # every replica's last stage
+                loss = float(np.mean(got))
+                self.result.eval_losses.append((ev["step"], loss))
+                self.out(f"eval {ev['step']:>4}/{self.steps}  held-out loss {loss:.4f}")
+                if self.log_f:
+                    self.log_f.write(json.dumps({"step": ev["step"], "eval_loss": loss}) + "\n")
+                    self.log_f.flush()
+                if self.tb is not None:
+                    self.tb.add_scalar("eval/loss", loss, ev["step"])
+                    self.tb.flush()
+                del self.eval_reports[ev["step"]]
         elif kind == "log":
             self.out(f"[w{w}] {ev['text']}")
         elif kind == "error":
@@ -283,8 +350,12 @@ class _Progress:
 
     def on_step(self, w: int, ev: dict):
         rep = self.step_reports.setdefault(ev["step"], {"workers": set(), "losses": [],
-                                                        "sent": {}, "moe": []})
+                                                        "sent": {}, "moe": [], "memory": {}})
         rep["workers"].add(w)
+        if "grad_norm" in ev:           # the same on every worker (one global all-reduce)
+            rep.update(grad_norm=ev["grad_norm"], lr=ev["lr"], skipped=ev["skipped"])
+        if "peak_memory" in ev:
+            rep["memory"][w] = ev["peak_memory"]
         if "loss" in ev:
             rep["losses"].append(ev["loss"])
         if "sent_bytes" in ev:          # boundary bytes each worker sent (TP redistribution)
@@ -308,18 +379,65 @@ class _Progress:
         if moe:
             self.result.moe.append(moe)
         s = ev["step"]
-        self.out(f"step {s + 1:>4}/{self.steps}  loss {loss:.4f}  tokens/s {tps:9.0f}  "
+        skipped = rep.get("skipped", False)
+        if "grad_norm" in rep:
+            self.result.grad_norms.append(rep["grad_norm"])
+            self.result.lrs.append(rep["lr"])
+        self.skipped += bool(skipped)
+        gn = rep.get("grad_norm")
+        extra = (f"  lr {rep['lr']:.3g}  grad norm {gn:.3g}" if gn is not None else "") + \
+            (f"  SKIPPED (non-finite; {self.skipped} so far)" if skipped else "")
+        self.out(f"step {s + 1:>4}/{self.steps}  loss {loss:.4f}{extra}  tokens/s {tps:9.0f}  "
                  f"step {step_s:.3f} s" + ("  (includes start-up)" if s == self.start else ""))
         if self.log_f:
             line = {"step": s + 1, "loss": loss, "tokens_per_s": tps, "step_s": step_s,
+                    "tokens_seen": (s + 1) * self.tokens_per_step,
                     "sent_bytes": {f"w{k}": v for k, v in sorted(rep["sent"].items())}}
+            if gn is not None:
+                line.update(lr=rep["lr"], grad_norm=gn, skipped=skipped,
+                            skipped_steps=self.skipped)
+            if rep["memory"]:
+                line["peak_memory"] = {f"w{k}": v for k, v in sorted(rep["memory"].items())}
+            if self.flops_per_step and self.peak_flops:
+                line["mfu"] = self.flops_per_step / step_s / self.peak_flops
             if moe:
                 line["moe"] = moe
             if rep.get("a2a"):
                 line["a2a"] = {f"w{k}": v for k, v in sorted(rep["a2a"].items())}
             self.log_f.write(json.dumps(line) + "\n")
             self.log_f.flush()
+        if self.tb is not None:
+            scalars = {"train/loss": loss, "train/tokens_per_s": tps, "train/step_s": step_s}
+            if gn is not None:
+                scalars.update({"train/lr": rep["lr"], "train/grad_norm": gn})
+            for k, v in scalars.items():
+                if math.isfinite(v):
+                    self.tb.add_scalar(k, v, s + 1)
+            self.tb.flush()
         del self.step_reports[s]
+
+
+def model_flops(build: BuildDir) -> tuple[float | None, float | None]:
+    """(model FLOPs of one step, the peak FLOP/s of the build's chips at the cluster's dtype):
+    the MFU estimate's terms; a peak is None when a chip's is not known (a measured CPU)."""
+    try:
+        costs = build.model_costs()
+        m = build.manifest
+        per_mb = sum(l.fwd_flops + l.bwd_flops for l in costs.layers)
+        flops = per_mb * m["global_batch"] / max(1, costs.micro_batch)
+        cl = build.path / "cluster.toml"
+        plan = load_plan(str(build.path / "plan.h2plan"))
+        cluster = load_cluster(str(cl) if cl.exists() else plan.cluster)
+        dtype = cluster.dtype
+        peak = 0.0
+        for st in plan.stages:
+            chip = cluster.chip(st.chip)
+            if getattr(chip, "measured", False) or dtype not in chip.peak_flops:
+                return flops, None
+            peak += chip.peak_flops[dtype] * st.chips * plan.dp
+        return flops, peak or None
+    except (H2Error, KeyError, AttributeError, TypeError):
+        return None, None
 
 
 def merge_moe(reports: list[dict]) -> dict:
@@ -394,8 +512,13 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
         device: str | None = None, out=print, predict: bool = True, data_format: str = "auto",
         tokenizer: str | None = None, data_max_bytes: int | None = None,
-        checkpoint_dir: str | None = None) -> RunResult:
+        checkpoint_dir: str | None = None, config=None) -> RunResult:
+    """`config`: the job configuration (h2ir/config.py) for the recipe, evaluation and data;
+    None: the build's own (train.toml) with these arguments."""
     build = BuildDir(build_path)
+    cfg = config or build.config()
+    cfg.training.steps = steps
+    recipe = cfg.recipe()
     with RunLock(build.path):           # a second h2x run on this build refuses here
         ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else build.path / "ckpt"
         _check_outputs(build, checkpoint_every, json_log, trace, ckpt_dir)
@@ -416,17 +539,22 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
                 f"{', '.join(map(str, sorted(earlier)))}); this run rewrites those at the steps "
                 "it checkpoints")
         # checked (and text tokenized) here, so bad data is a located error before any worker starts
-        data_spec = prepare_data(build.manifest, build.path / "data", data, data_format, tokenizer,
-                                 data_max_bytes, out)
+        cfg.data.path, cfg.data.format, cfg.data.tokenizer = data, data_format, tokenizer
+        if data_max_bytes is not None:
+            cfg.data.max_bytes = data_max_bytes
+        recipe.update(run_data(build, cfg, out))
+        data_spec = None
         sim = _predict(build, out) if predict else None
+        tb = tensorboard_writer(cfg.logging.tensorboard)
         result = RunResult(transport=transport)
         with run_temp_dir() as run_dir, \
                 (open(json_log, "w") if json_log else contextlib.nullcontext()) as log_f:
             run_ = _start_workers(build, run_dir=run_dir, fingerprint=fingerprint, steps=steps,
                                   start=start, resume_from=resume_from, transport=transport,
                                   checkpoint_every=checkpoint_every, timeout=timeout,
-                                  device=device, data=data_spec, out=out, ckpt_dir=ckpt_dir)
-            _supervise(run_, _Progress(run_, result, steps, start, log_f, out))
+                                  device=device, data=data_spec, out=out, ckpt_dir=ckpt_dir,
+                                  recipe=recipe)
+            _supervise(run_, _Progress(run_, result, steps, start, log_f, out, tb))
             if trace:
                 _write_trace(build, run_dir, trace)
     if sim is not None and len(result.step_s) > 1:

@@ -29,7 +29,6 @@ Membership and restarts are torchrun's. What the single-host launcher does happe
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import ipaddress
@@ -348,14 +347,13 @@ def _heartbeat(records: Records, wid: int, host: int, addr: str, status: np.ndar
         time.sleep(HEARTBEAT_S)
 
 
-def serve(a, console) -> int:
+def serve(a, console, cfg) -> int:
     """One worker process under torchrun."""
     from backends.allocator import keep_freed_memory
     from backends.threads import limit_torch_threads, pin_to_core
     from executor import dicomm
     from executor.build import BuildDir
     from executor.checkpoint import load_worker_checkpoint
-    from executor.data import DataSpec
     from executor.worker import ChunkedWorker, Worker, _report_failure, _token_batches
 
     env = ElasticEnv.from_environ()
@@ -389,10 +387,10 @@ def serve(a, console) -> int:
         plan = records.get("plan", "the coordinator's start record", timeout=STARTUP_S)
         limit_torch_threads()
         keep_freed_memory()
-        spec = DataSpec(plan["data"], plan["data_format"], plan["data_max_bytes"])
+        recipe = {**cfg.recipe(), **plan["settings"]}
         kind = ChunkedWorker if build.workers[wid].get("chunks") else Worker
-        worker = kind(build, wid, None, _token_batches(build, wid, spec),
-                      build.manifest["optimizer"], emit, status, a.device)
+        worker = kind(build, wid, None, _token_batches(build, wid, recipe["data"]),
+                      recipe, emit, status, a.device)
         comm = dicomm.connect(wid, W, secret=secret, transport=plan["transport"], fallback=True,
                               timeout=a.timeout, host=addr, namespace=env.namespace + "/dicomm",
                               store=store)
@@ -430,16 +428,14 @@ def serve(a, console) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    from executor.cli import run_parser
-    return run_parser("python -m executor.run")
 
 
 def main(argv=None) -> int:
     """`python -m executor.run BUILD ...`: the process torchrun starts per worker."""
-    a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from executor.cli import parse_run_args
     console = os.fdopen(os.dup(2), "w")
     try:
+        a, cfg = parse_run_args(sys.argv[1:] if argv is None else argv, "python -m executor.run")
         from executor.build import BuildDir
         from executor.launcher import worker_log_path
         build = BuildDir(a.build)
@@ -448,7 +444,7 @@ def main(argv=None) -> int:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as f:
                 os.dup2(f.fileno(), 2)
-        rc = serve(a, console)
+        rc = serve(a, console, cfg)
     except H2Error as e:
         write_error_file(str(e))
         print(str(e), file=console, flush=True)

@@ -21,6 +21,7 @@ single_thread_env()     # one compute thread per worker: before numpy/torch load
 import argparse
 import gc
 import json
+import math
 import sys
 import threading
 import time
@@ -33,10 +34,11 @@ from backends.base import comm_ops, run_program
 
 from backends.registry import get_backend
 from executor.build import BuildDir
-from executor.checkpoint import load_worker_checkpoint, save_worker_checkpoint
+from executor.checkpoint import NonFinite, load_worker_checkpoint, save_worker_checkpoint
 from executor.experts import MoEState, StageComm, migrate_experts, update_loads
 from executor.redistribute import recv_shares, send_shares
-from executor.data import MAX_BYTES, DataSpec, TokenBatches, open_tokens
+from executor.data import DataMix, TokenBatches, open_batches
+from h2ir.config import decays, learning_rate
 from h2ir.errors import H2Error
 from h2ir.opset import DROPOUT_SEED_INPUT, dropout_seed
 from h2ir.schedule.interpret import StreamInterpreter
@@ -67,7 +69,8 @@ class Worker(StreamInterpreter):
         self.be = get_backend(st.backend, **opts)
         self.sig = st.sig
         self.first, self.last = self.stage_idx == 0, self.stage_idx == self.S - 1
-        self.opt = opt
+        self.opt = opt                  # the recipe: optimizer, lr_schedule, training (h2ir/config)
+        self.skipped_in_row = 0
         # tensor parallelism: this worker is rank tp_rank of its stage's TP group and holds that
         # rank's shards (h2ir.schedule.streams.WorkerLayout; executor/redistribute.py)
         self.tp_group = list(w.get("tp_group") or [wid])
@@ -106,6 +109,10 @@ class Worker(StreamInterpreter):
         self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
                            for k in self.opt_names}
         self.opt_steps = 0
+        # weight decay per parameter (h2ir/config.py `decays`: 1-D, bias and norm excluded)
+        self.decayed = {k: decays(k, len(self.be.to_numpy(self.params[k]).shape), opt["optimizer"])
+                        for k in self.opt_names}
+        self.sharding = self.sig.get("sharding") or {}
         self.in_types = {k: TensorType.parse(v) for k, v in self.sig["input_types"].items()}
         self.out_types = {k: TensorType.parse(v) for k, v in self.sig["output_types"].items()}
         # float boundary values get a gradient back (zeros when nothing flows into them)
@@ -132,6 +139,7 @@ class Worker(StreamInterpreter):
         self.owned_grads: set = set()
         self.losses: list[float] = []
         self.moe.reset()
+        self.verdict: dict | None = None          # the step's global gradient norm (opt_step)
 
     # ---- compute -------------------------------------------------------------------------------
     def fwd(self, ins):
@@ -324,13 +332,50 @@ class Worker(StreamInterpreter):
         return self.param_grads[k]
 
     def opt_step(self, ins):
+        self.apply_update(global_verdict(self, [self]))
+
+    def grad_norm_share(self) -> tuple[float, bool]:
+        """(sum of squares, any non-finite) of the gradients this worker counts towards the
+        global norm: each logical parameter once over stages, TP shards, EP ranks and replicas
+        (after the DP all-reduce the replicas hold equal gradients: replica 0 counts them; an
+        EP stage's experts: the first EP group; a TP-replicated parameter: TP rank 0; tied
+        copies: their owner)."""
+        experts = {k for ks in self.moe.params.values() for k in ks} if self.moe else set()
+        ep = len(self.ep_group)
+        total, bad = 0.0, False
+        for k in self.opt_names:
+            first_replica = self.replica < ep if k in experts else self.replica == 0
+            sh = self.sharding.get(k)
+            shard_counts = len(self.tp_group) == 1 or self.tp_rank == 0 or \
+                (sh is not None and sh.get("kind") != "replicated")
+            if not (first_replica and shard_counts):
+                continue
+            n = self.be.l2_norm(self._grad(k))
+            if not math.isfinite(n):
+                bad = True
+            total += n * n
+        return total, bad
+
+    def apply_update(self, v: dict) -> None:
+        """AdamW with the step's lr over the decayed and the non-decayed group, gradients scaled
+        by the clipping coefficient; nothing on a skipped step (no optimizer state advances)."""
+        if v["skip"]:
+            return
         self.opt_steps += 1
-        o = self.opt
+        o = self.opt["optimizer"]
         names = self.opt_names
-        self.be.adamw_step([self.params[k] for k in names], [self._grad(k) for k in names],
-                           [self.exp_avg[k] for k in names], [self.exp_avg_sq[k] for k in names],
-                           self.opt_steps, o["lr"], o["betas"][0], o["betas"][1], o["eps"],
-                           o["weight_decay"])
+        grads = {k: self._grad(k) for k in names}
+        if v["scale"] < 1.0:
+            c = np.float32(v["scale"])
+            grads = {k: self.be.from_numpy(np.asarray(self.be.to_numpy(g)) * c, "f32")
+                     for k, g in grads.items()}
+        for wd, group in ((o["weight_decay"], [k for k in names if self.decayed[k]]),
+                          (0.0, [k for k in names if not self.decayed[k]])):
+            if group:
+                self.be.adamw_step([self.params[k] for k in group], [grads[k] for k in group],
+                                   [self.exp_avg[k] for k in group],
+                                   [self.exp_avg_sq[k] for k in group], self.opt_steps, v["lr"],
+                                   o["beta1"], o["beta2"], o["eps"], wd)
 
     def all_to_all(self, ins):
         raise H2Error(f"worker w{self.wid}: '{ins}' — a stand-alone all_to_all instruction; "
@@ -388,6 +433,10 @@ class Worker(StreamInterpreter):
             loss = self.step_loss()
             if loss is not None:
                 ev["loss"] = loss
+            if self.verdict is not None:
+                ev.update(grad_norm=self.verdict["norm"], lr=self.verdict["lr"],
+                          skipped=self.verdict["skip"])
+            ev["peak_memory"] = peak_memory(self.be)
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
                 if self.prog_comm is not None and self.prog_comm.a2a_calls:
@@ -400,20 +449,131 @@ class Worker(StreamInterpreter):
                                        {f"e{i}": n for i, n in enumerate(r["load"])}))
             self.emit(ev)
             gc.collect(0)
+            if self.eval_due(step, steps):
+                loss = self.evaluate()
+                if loss is not None:
+                    self.emit({"event": "eval", "worker": self.wid, "step": step + 1,
+                               "loss": loss})
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
-                files = save_worker_checkpoint(ckpt_dir, step + 1, self)   # durable when it returns
-                self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
-                           "files": files})
+                try:
+                    files = save_worker_checkpoint(ckpt_dir, step + 1, self)   # durable now
+                    self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
+                               "files": files})
+                except NonFinite as e:       # never a COMPLETE checkpoint of NaN weights
+                    self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
+                               "nonfinite": e.names[:8]})
         self.status[3] = 1
 
     def take_sent_bytes(self) -> dict:
         out, self.sent_bytes = dict(self.sent_bytes), {"act": 0, "grad": 0}
         return out
 
+    # ---- evaluation ----------------------------------------------------------------------------
+    EVAL_OPS = ("fwd", "send_act", "recv_act")
+
+    def eval_due(self, step: int, steps: int) -> bool:
+        ev = self.opt.get("eval")
+        if not ev:
+            return False
+        every = int(ev["every"])
+        return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
+
+    def evaluate(self) -> float | None:
+        """The held-out loss: the training stream's forward instructions alone (their order is
+        the schedule's, so it cannot deadlock) over eval.steps global batches of eval data; no
+        backward, no optimizer step. The last stage's TP rank 0 returns the mean loss."""
+        ev = self.opt["eval"]
+        if not hasattr(self, "eval_data"):
+            self.eval_data = _token_batches(self.build, self.wid, ev["data"])
+        stream = [ins for ins in self.stream if ins.op in self.EVAL_OPS]
+        train_data = self.set_data(self.eval_data)
+        losses = []
+        try:
+            for k in range(int(ev["steps"])):
+                self.reset_step(k)
+                for ins in stream:
+                    self.run_instr(ins)
+                loss = self.step_loss()
+                if loss is not None:
+                    losses.append(loss)
+        finally:
+            self.set_data(train_data)
+        return float(np.mean(losses)) if losses else None
+
+    def set_data(self, data):
+        """Swap the batches fwd draws from; returns the old ones."""
+        old, self.data = self.data, data
+        return old
+
     def step_loss(self) -> float | None:
         if self.last and self.tp_rank == 0:      # a TP group's ranks hold one loss
             return float(np.mean(self.losses))
         return None
+
+
+def peak_memory(be) -> dict:
+    """This worker's peak memory so far: the process's peak resident set (bytes; what the host
+    gave it: weights, optimizer state, activations, buffers, the interpreter and libraries) and,
+    on a CUDA device, torch's peak of allocated device memory."""
+    import resource
+    out = {"host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    dev = str(getattr(be, "device", "cpu"))
+    if dev.startswith("cuda"):
+        import torch
+        out["device"] = int(torch.cuda.max_memory_allocated(dev))
+    return out
+
+
+def global_verdict(worker, parts: list) -> dict:
+    """The step's global gradient norm and what the optimizer does with it, the same on every
+    worker: one all-reduce over all workers of [sum of squares, loss sum, non-finite loss, one
+    non-finite flag per stage]. `parts`: the worker's stages (several chunks on a virtual-stage
+    worker). A non-finite loss or norm stops the run (nan_policy "stop") or skips the step."""
+    build, recipe = worker.build, worker.opt
+    S = build.num_stages
+    vec = np.zeros(3 + S, dtype=np.float64)
+    for p in parts:
+        sq, bad = p.grad_norm_share()
+        vec[0] += sq
+        vec[3 + p.stage_idx] += bad
+        if p.last and p.tp_rank == 0 and p.losses:
+            loss = float(np.mean(p.losses))
+            if math.isfinite(loss):
+                vec[1] += loss
+            else:
+                vec[2] += 1
+    W = len(build.workers)
+    if W > 1:
+        worker.comm.all_reduce([vec], group=list(range(W)), op="sum")
+    norm = math.sqrt(vec[0]) if math.isfinite(vec[0]) else float("inf")
+    step, tr = worker.step, recipe["training"]
+    lr = learning_rate(recipe, step)
+    v = {"skip": False, "norm": norm, "lr": lr, "scale": 1.0}
+    stages = [s for s in range(S) if vec[3 + s] > 0]
+    if vec[2] > 0 or stages or not math.isfinite(norm):
+        what = "; ".join(x for x in (
+            "the loss is not finite (last stage)" if vec[2] > 0 else "",
+            f"the gradients of stage(s) {', '.join(map(str, stages))} are not finite" if stages
+            else "", "" if stages or vec[2] > 0 else f"the global gradient norm is {norm}") if x)
+        fix = ("lower optimizer.lr or set training.clip_grad_norm, then continue with --resume "
+               "(checkpoints hold only finite weights)")
+        if tr["nan_policy"] == "stop":
+            raise H2Error(f"step {step + 1}: {what}; the run stopped (training.nan_policy = "
+                          "\"stop\")", hint=fix + "; training.nan_policy = \"skip\" skips such "
+                          "steps instead")
+        worker.skipped_in_row += 1
+        if worker.skipped_in_row >= tr["max_skipped"]:
+            raise H2Error(f"step {step + 1}: {what}; {worker.skipped_in_row} steps in a row "
+                          f"were skipped (training.max_skipped = {tr['max_skipped']}): the run "
+                          "stopped", hint=fix)
+        v["skip"] = True
+    else:
+        worker.skipped_in_row = 0
+        clip = float(tr["clip_grad_norm"])
+        if clip > 0:                    # torch.nn.utils.clip_grad_norm_'s coefficient
+            v["scale"] = min(1.0, clip / (norm + 1e-6))
+    worker.verdict = v
+    return v
 
 
 class _Merged(MutableMapping):
@@ -458,8 +618,9 @@ class ChunkedWorker(Worker):
                  device: str = "cpu"):
         StreamInterpreter.__init__(self, wid, build.stream(wid))
         w = build.workers[wid]
-        self.build, self.emit, self.status = build, emit, status
+        self.build, self.emit, self.status, self.opt = build, emit, status, opt
         self.replica, self.stage_idx = w["replica"], w["stage"]
+        self.skipped_in_row, self.verdict, self.pending = 0, None, []
         self.chunks = [Worker(build, wid, comm, data, opt, emit, status, device, stage=v)
                        for v in w["chunks"]]
         self.be = self.chunks[0].be
@@ -492,6 +653,7 @@ class ChunkedWorker(Worker):
 
     def reset_step(self, step: int):
         self.step = step
+        self.verdict, self.pending = None, []
         for ch in self.chunks:
             ch.reset_step(step)
 
@@ -505,7 +667,20 @@ class ChunkedWorker(Worker):
     def step_loss(self) -> float | None:
         return next((ch.step_loss() for ch in self.chunks if ch.last), None)
 
+    def set_data(self, data):
+        olds = [ch.set_data(data) for ch in self.chunks]
+        return next((o for o in olds if o is not None), None)
+
     def _on_chunk(self, ins):
+        if ins.op == "opt_step":
+            # every chunk's gradients are final (all-reduced) only at the last chunk's opt_step:
+            # the global norm is taken then, and every chunk updates with it
+            self.pending.append(self.chunks[ins.chunk])
+            if len(self.pending) == len(self.chunks):
+                v = global_verdict(self, self.chunks)
+                for ch in self.pending:
+                    ch.apply_update(v)
+            return None
         return getattr(self.chunks[ins.chunk], ins.op)(ins)
 
 
@@ -521,9 +696,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--transport", default="shm")
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--data-format", default="bytes")       # resolved by the launcher
-    ap.add_argument("--data-max-bytes", type=int, default=MAX_BYTES)
     ap.add_argument("--status", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=0)
@@ -531,6 +703,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--recipe", required=True, help="the training recipe (JSON, the launcher's)")
     return ap
 
 
@@ -563,13 +736,13 @@ def _start_heartbeat(status: np.ndarray, parent: int) -> None:
     threading.Thread(target=heartbeat, daemon=True).start()
 
 
-def _token_batches(build: BuildDir, wid: int, data: DataSpec) -> TokenBatches | None:
+def _token_batches(build: BuildDir, wid: int, mix: dict) -> TokenBatches | None:
     """The micro-batches of tokens (first stage) and targets (last stage); None in between."""
     m = build.manifest
     w = build.workers[wid]
     needs_data = bool({0, build.num_stages - 1} & set(w.get("chunks") or [w["stage"]]))
-    return TokenBatches(open_tokens(data), m["micro_batch"], m["seq_len"], m["num_microbatches"],
-                        m["dp"], m["seed"], name=data.path) if needs_data else None
+    return open_batches(DataMix.from_json(mix), m["micro_batch"], m["seq_len"],
+                        m["num_microbatches"], m["dp"], m["seed"]) if needs_data else None
 
 
 def main(argv=None) -> int:
@@ -624,11 +797,12 @@ def _serve(a, emit) -> int:
     _start_heartbeat(status, os.getppid())
     limit_torch_threads()
     keep_freed_memory()
-    data = _token_batches(build, a.worker, DataSpec(a.data, a.data_format, a.data_max_bytes))
+    recipe = json.loads(Path(a.recipe).read_text())
+    data = _token_batches(build, a.worker, recipe["data"])
     # the stage is loaded before connecting: a bad stage file is this worker's start-up error,
     # not its peers' broken handshake
     kind = ChunkedWorker if build.workers[a.worker].get("chunks") else Worker
-    worker = kind(build, a.worker, None, data, build.manifest["optimizer"], emit, status, a.device)
+    worker = kind(build, a.worker, None, data, recipe, emit, status, a.device)
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)

@@ -6,6 +6,7 @@
     h2c profile         measure what the local backends achieve (calibration)
     h2c check-ops       op-level accuracy of a backend against a float64 reference
     h2c ops             the h2ir op set as a table: signature, backends, check-ops alignment
+    h2c config          the job configuration's fields (defaults, meanings), or a file resolved
 
 Errors in the user's input print as `file:line:col: error: ...` and exit with code 2.
 """
@@ -25,7 +26,27 @@ SUBCOMMANDS = {
     "profile": "frontend.profile:profile_main",
     "check-ops": "backends.check_ops:main",
     "ops": "frontend.cli:ops_main",
+    "config": "frontend.cli:config_main",
 }
+
+
+def config_main(argv: list[str]) -> int:
+    """h2c config: every field of the job configuration with its default and meaning; with
+    --config FILE (and --section.field overrides) the resolved configuration as TOML."""
+    from h2ir import config as jobconfig
+    argv, overrides = jobconfig.split_overrides(argv)
+    ap = argparse.ArgumentParser(prog="h2c config", description="The job configuration that "
+                                 "h2c and h2x read: every field, its default and meaning; with "
+                                 "--config FILE (and --section.field VALUE) the resolved "
+                                 "configuration as TOML, checked.")
+    ap.add_argument("--config", metavar="FILE.toml")
+    a = ap.parse_args(argv)
+    if a.config or overrides:
+        cfg = jobconfig.build_config(config_file=a.config, overrides=overrides)
+        sys.stdout.write(cfg.to_toml())
+    else:
+        sys.stdout.write(jobconfig.describe())
+    return 0
 
 
 def ir_main(argv: list[str]) -> int:

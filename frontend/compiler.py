@@ -40,6 +40,7 @@ from backends.calibrate import ensure_calibration
 from backends.registry import get_backend, measured_backends, resolve_stack
 from frontend.capture import load_model_file, parse_model_args, trace_model
 from frontend.profile import record
+from frontend.progress import phase
 from frontend.stages import build_stage_programs, split_backward
 from frontend.tensor_parallel import shard_weight
 from h2ir.clusters.clusterfile import load_cluster
@@ -107,7 +108,10 @@ def cluster_calibration(cluster):
     """The calibration the planner needs for the cluster's `measured` chips (measured by the
     backends now if missing), or None for a cluster of catalog chips."""
     measured = measured_backends(cluster)
-    return ensure_calibration(measured) if measured else None
+    if not measured:
+        return None
+    with phase(f"calibrating {', '.join(measured)}"):
+        return ensure_calibration(measured)
 
 
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
@@ -127,7 +131,8 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
     if not backends:
         return None
     quiet = lambda m: log(m) if m.startswith("calibration of the") else None  # noqa: E731
-    cal = ensure_calibration(backends, log=quiet)
+    with phase(f"calibrating {', '.join(backends)}"):
+        cal = ensure_calibration(backends, log=quiet)
     sw = software_versions()
     name = Path(model_path).stem
     ids, todo = {}, []
@@ -143,8 +148,9 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
     if todo:
         log(f"measuring per-layer times of {name} on {', '.join(todo)} (micro-batch {micro_batch} "
             f"x {seq_len}; stored in the calibration file)")
-        record(model_path, model_args, micro_batch, seq_len, todo, log=log,
-               workers=cluster.total_chips)
+        with phase(f"measuring {name}'s layer times on {', '.join(todo)}"):
+            record(model_path, model_args, micro_batch, seq_len, todo, log=log,
+                   workers=cluster.total_chips)
         cal = ensure_calibration(backends, log=quiet)
         for b in todo:
             why = problems(cal.records[ids[b]], software=sw)
@@ -244,7 +250,11 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, schedule=schedule, search=search,
         model_path=model_path, executable=not dry_run, time_limit=time_limit, log=log,
         sparse_moe=_has_experts_modules(cap.model))
-    plan = inp.plan or plan_search(calibration=cal)
+    if inp.plan is None:
+        with phase(f"searching plans ({inp.plan_arg})"):
+            plan = plan_search(calibration=cal)
+    else:
+        plan = inp.plan
     # The search priced micro-batches it has no measurement of from the measured ones (linear in
     # the rows: a larger micro-batch runs more efficiently than that says). Measure the one it
     # chose and search again with both, until its choice is measured (a bounded number of times).
@@ -256,7 +266,8 @@ def _capture_and_plan(model_path, model_args, inp: _Inputs, *, schedule, search,
         cal = ensure_layer_times(inp.cluster, model_path, model_args, plan.micro_batch,
                                  inp.seq_len, log, keep=cal.selected)
         measured_mbs.add(plan.micro_batch)
-        plan = plan_search(calibration=cal)
+        with phase(f"searching plans ({inp.plan_arg})"):
+            plan = plan_search(calibration=cal)
     if plan.micro_batch != mb_trace:
         cap = trace_model(model_path, model_args, plan.micro_batch, plan.seq_len)
         costs = cap.graph.layer_costs()
@@ -475,8 +486,7 @@ def _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, 
         "num_microbatches": plan.num_microbatches, "dp": plan.dp, "schedule": plan.schedule,
         "virtual": plan.virtual,
         "seed": seed, "dry_run": dry_run,
-        "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                      "weight_decay": 0.1},
+        "config": BUILD_CONFIG,
         "predicted_step_s": sim.step_time_s,
         "moe": None if plan.moe is None else {
             "a2a": plan.moe.a2a, "placement": plan.moe.placement, "capacity": plan.moe.capacity,
@@ -490,11 +500,22 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
                   plan_arg: str = "auto", global_batch: int = 16, micro_batch: int | None = None,
                   seq_len: int = 128, out_dir: str = "build", dry_run: bool = False, seed: int = 0,
                   schedule: str = "1f1b", search: str = "heuristic", log=print,
-                  time_limit: float | None = None, measure: bool = False) -> BuildResult:
+                  time_limit: float | None = None, measure: bool = False,
+                  config=None) -> BuildResult:
+    """`config`: the job configuration (h2ir/config.py) written as the build's train.toml,
+    the defaults `h2x run` starts from; None: the defaults with these arguments."""
     t0 = time.perf_counter()
     model_args = model_args or {}
     _check_output_dir(Path(out_dir))    # before capture: a bad -o fails in a second, not a minute
     inp = _read_inputs(cluster_arg, plan_arg, global_batch, micro_batch, seq_len)
+    if inp.cluster.dtype == "fp16" and not dry_run:
+        # the planner costs fp16 at the chips' fp16 peak; the stages would run fp32 without the
+        # dynamic loss scaling fp16 training needs: refuse rather than build that silently
+        raise H2Error("the cluster's dtype is fp16, which h2 plans but does not execute: its "
+                      "stage programs have no fp16 policy with dynamic loss scaling",
+                      inp.cluster.source or cluster_arg,
+                      hint="set dtype = \"bf16\" (or \"fp32\") in the cluster file, or compile "
+                           "with --dry-run to plan it")
     cap, costs, plan, cal = _capture_and_plan(model_path, model_args, inp, schedule=schedule,
                                               search=search, dry_run=dry_run, log=log,
                                               time_limit=time_limit, measure=measure)
@@ -534,6 +555,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         _write_calibration(cal, out)
         manifest["calibration"] = BUILD_CALIBRATION
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _write_config(out, config, model_path, model_args, plan, cluster_arg, schedule, search, seed)
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
     note = sim.estimate_note()
@@ -543,6 +565,25 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
 
 
 BUILD_CALIBRATION = "calibration.json"
+BUILD_CONFIG = "train.toml"      # executor/build.py reads it; not in the build's fingerprint
+
+
+def _write_config(out: Path, cfg, model_path, model_args, plan, cluster_arg, schedule, search,
+                  seed) -> None:
+    """The job configuration as compiled: the program fields as the build has them (a plan
+    file's batch shape wins), the rest as given — h2x run's defaults."""
+    from h2ir.config import Config
+    cfg = cfg or Config()
+    cfg.model.file, cfg.model.args = model_path, dict(model_args)
+    cfg.batch.global_, cfg.batch.micro, cfg.batch.seq = \
+        plan.global_batch, plan.micro_batch, plan.seq_len
+    cfg.plan.cluster, cfg.plan.schedule, cfg.plan.search = cluster_arg, schedule, search
+    cfg.training.seed = seed
+    cfg.plan.output = str(out)
+    (out / BUILD_CONFIG).write_text(
+        "# the job configuration h2c compile used (h2c config explains every field); h2x run\n"
+        "# starts from it. Fields the programs depend on ([program] in h2c config) must not\n"
+        "# change; the others may, between runs and across a resume.\n" + cfg.to_toml())
 
 
 def _write_calibration(cal, out: Path) -> None:
@@ -652,6 +693,30 @@ def _stage_programs(caps: dict, plan, name: str) -> list:
     return progs
 
 
+COMPILE_ALIASES = {"cluster": ("plan", "cluster"), "plan": ("plan", "plan"),
+                   "search": ("plan", "search"), "schedule": ("plan", "schedule"),
+                   "global_batch": ("batch", "global"), "micro_batch": ("batch", "micro"),
+                   "seq_len": ("batch", "seq"), "seed": ("training", "seed"),
+                   "output": ("plan", "output"), "time_limit": ("plan", "time_limit")}
+
+
+def job_config(a, overrides, ap, aliases: dict = COMPILE_ALIASES):
+    """The job configuration of an h2c command: defaults < --config < --section.field and the
+    short flags (`aliases`: argparse dest -> field) < the positional model file."""
+    from h2ir import config as jobconfig
+    given = {field: getattr(a, dest) for dest, field in aliases.items()
+             if getattr(a, dest, None) is not None or (dest == "micro_batch" and
+                                                        hasattr(a, dest))}
+    cfg = jobconfig.build_config(config_file=a.config, overrides=overrides, aliases=given)
+    if a.arg:
+        cfg.model.args = {**cfg.model.args, **parse_model_args(a.arg)}
+    if a.model:
+        cfg.model.file = a.model
+    if not cfg.model.file:
+        ap.error("the model file is required (a positional argument, or model.file in --config)")
+    return cfg
+
+
 def _h2_version() -> str:
     try:
         from importlib.metadata import version
@@ -661,38 +726,49 @@ def _h2_version() -> str:
 
 
 def main(argv: list[str]) -> int:
+    from h2ir import config as jobconfig
+    argv, overrides = jobconfig.split_overrides(argv)
     ap = argparse.ArgumentParser(prog="h2c compile", description="Compile a model for a cluster "
-                                 "and plan into a build directory that `h2x run` executes.")
-    ap.add_argument("model", help="model file (.py)")
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--cluster", default="local", help="cluster TOML or built-in name (default: local)")
-    ap.add_argument("--plan", default="auto", help="auto | uniform | FILE.h2plan (default: auto)")
-    ap.add_argument("--search", default="heuristic", choices=["heuristic", "exhaustive"])
-    ap.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, "auto"],
-                    help="pipeline schedule; zb1: ZB-H1 zero-bubble (backward split in B and W); "
+                                 "and plan into a build directory that `h2x run` executes. "
+                                 "Every setting is a field of the job configuration (`h2c "
+                                 "config` lists them): --config FILE.toml sets them, "
+                                 "--section.field VALUE overrides one; the flags below are "
+                                 "short names of fields.")
+    ap.add_argument("model", nargs="?", help="model file (.py; default: the config's model.file)")
+    ap.add_argument("--config", metavar="FILE.toml", help="the job configuration")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="model.args: a keyword argument of build_model (repeatable)")
+    ap.add_argument("--cluster", help="plan.cluster: cluster TOML or built-in name (default: local)")
+    ap.add_argument("--plan", help="plan.plan: auto | uniform | FILE.h2plan (default: auto)")
+    ap.add_argument("--search", choices=["heuristic", "exhaustive"], help="plan.search")
+    ap.add_argument("--schedule", choices=[*SCHEDULES, "auto"],
+                    help="plan.schedule; zb1: ZB-H1 zero-bubble (backward split in B and W); "
                     "interleaved: interleaved 1F1B (2 chunks per worker); izb: interleaved zero "
                     "bubble; zbv: V-shape zero bubble; auto: the fastest of 1f1b, zb1, "
                     "interleaved, izb and zbv by the simulator, among those that fit memory"),
-    ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH), default=16)
+    ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH), help="batch.global")
     ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
-                    default=None, metavar="N|auto", help="sequences per micro-batch "
-                    "(default: auto, searched with --plan auto)")
-    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), default=128)
-    ap.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0)
+                    default=argparse.SUPPRESS, metavar="N|auto", help="batch.micro: sequences "
+                    "per micro-batch (default: auto, searched with --plan auto)")
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), help="batch.seq")
+    ap.add_argument("--seed", type=int_flag(0, SEED_MAX), help="training.seed")
     ap.add_argument("--dry-run", action="store_true", help="programs and streams only, no weights")
-    ap.add_argument("-o", "--output", default="build")
+    ap.add_argument("-o", "--output", help="plan.output: the build directory (default: build)")
     ap.add_argument("--time-limit", type=float, metavar="SECONDS",
-                    help="stop the plan search after SECONDS with the best plan found so far")
+                    help="plan.time_limit: stop the plan search after SECONDS with the best plan "
+                    "found so far")
     ap.add_argument("--measure", action="store_true",
                     help="with a plan file: measure this model's layer times on the cluster's "
                          "measured backends first, as --plan auto does, so the prediction uses "
                          "them (without: stored ones, else a FLOP estimate)")
     a = ap.parse_args(argv)
-    res = compile_model(a.model, model_args=parse_model_args(a.arg), cluster_arg=a.cluster,
-                        plan_arg=a.plan, global_batch=a.global_batch, micro_batch=a.micro_batch,
-                        seq_len=a.seq_len, out_dir=a.output, dry_run=a.dry_run, seed=a.seed,
-                        schedule=a.schedule, search=a.search, time_limit=a.time_limit,
-                        measure=a.measure)
+    cfg = job_config(a, overrides, ap)
+    res = compile_model(cfg.model.file, model_args=cfg.model.args, cluster_arg=cfg.plan.cluster,
+                        plan_arg=cfg.plan.plan, global_batch=cfg.batch.global_,
+                        micro_batch=cfg.batch.micro, seq_len=cfg.batch.seq,
+                        out_dir=cfg.plan.output, dry_run=a.dry_run, seed=cfg.training.seed,
+                        schedule=cfg.plan.schedule, search=cfg.plan.search,
+                        time_limit=cfg.plan.time_limit, measure=a.measure, config=cfg)
     for st, p in zip(res.plan.stages, res.stages):
         print(f"  stage {p.index}: {st.chip} ({st.chips} chip(s), tp={st.tp}) layers "
               f"{p.layers[0]}..{p.layers[-1]}: {sum(1 for _ in p.fwd.nodes())} fwd / "

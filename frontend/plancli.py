@@ -74,7 +74,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
+    from h2ir import config as jobconfig
+    argv, overrides = jobconfig.split_overrides(argv)
+    ap = _parser()
+    ap.add_argument("--config", metavar="FILE.toml", help="the job configuration (h2c config): "
+                    "its model, batch and plan sections are defaults of the flags above")
+    a = ap.parse_args(argv)
+    if a.config or overrides:
+        cfg = jobconfig.build_config(config_file=a.config, overrides=overrides)
+        d = jobconfig.Config()
+        for dest, (sec, key) in {"global_batch": ("batch", "global_"), "seq_len": ("batch", "seq"),
+                                 "micro_batch": ("batch", "micro"), "cluster": ("plan", "cluster"),
+                                 "schedule": ("plan", "schedule"), "plan": ("plan", "plan"),
+                                 "search": ("plan", "search")}.items():
+            v = getattr(getattr(cfg, sec), key)
+            if v != getattr(getattr(d, sec), key) and getattr(a, dest) in (None, ap.get_default(dest)):
+                setattr(a, dest, v)
+        a.arg = [f"{k}={v}" for k, v in cfg.model.args.items()] + a.arg
     try:
         report = plan_report(a)
     except H2Error as e:
@@ -176,13 +192,18 @@ class _PlanChoice:
 
 def plan_report(a) -> dict:
     """The `h2c plan` report for command line `a` (see the module docstring), as JSON data."""
-    inp = _plan_inputs(a)
-    choice = _choose_plan(a, inp)
+    from frontend.progress import phase, set_quiet
+    set_quiet(a.json)
+    with phase("calibrating and capturing"):
+        inp = _plan_inputs(a)
+    with phase(f"planning ({a.plan if a.plan in ('auto', 'uniform') else 'plan file'})"):
+        choice = _choose_plan(a, inp)
     plan, sim = choice.cand.plan, choice.cand.sim
     if inp.given is None:
         plan.model = inp.model_name
         plan.cluster = a.cluster if not Path(a.cluster).suffix else inp.cluster.name
-    speedup = _hetero_speedup(a, inp, choice.cand)
+    with phase("HeteroSpeedupRatio: each chip type alone"):
+        speedup = _hetero_speedup(a, inp, choice.cand)
     text = _write_plan_outputs(a, plan, sim, inp.cluster)
     rates = _chip_rates(inp, plan)
     return _report_json(a, inp, choice, text, _stage_rows(plan, sim), rates, speedup)

@@ -306,6 +306,12 @@ def run_subcommand(table: dict, prog: str, argv: list[str], doc: str) -> int:
             return 2
         return 0
     mod, fn = table[argv[0]].split(":")
+    # progress lines reach a pipe (`h2x run ... | tee log`) as they are printed, not at exit
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
     try:
         return int(getattr(import_module(mod), fn)(argv[1:]) or 0)
     except H2Error as e:

@@ -289,7 +289,9 @@ def test_h2x_run_on_real_data_resumes_exactly(tmp_path, kind, build, text_path, 
     shutil.copytree(build, b)
     if kind == "tokens":
         data = tmp_path / "train.bin"
-        np.random.default_rng(0).integers(0, 320, size=100_000).astype("<u2").tofile(data)
+        # 400 ids: 6 windows per replica, an epoch every 3 steps: the resume at step 2 is
+        # mid-epoch and the resumed run crosses into the next, reshuffled epoch
+        np.random.default_rng(0).integers(0, 320, size=400).astype("<u2").tofile(data)
         flags = ["--data", str(data)]
     else:
         flags = ["--data", str(text_path), "--tokenizer", str(tok_path)]

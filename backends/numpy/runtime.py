@@ -58,6 +58,9 @@ class NumpyBackend:
         pass                                     # NumPy calls return when their work is done
 
     # ---- optimizer -----------------------------------------------------------------------------
+    def l2_norm(self, t: np.ndarray) -> float:
+        return float(np.linalg.norm(np.asarray(t).reshape(-1)))
+
     def adamw_step(self, params: list, grads: list, exp_avg: list, exp_avg_sq: list, step: int,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
         """In-place AdamW (Loshchilov & Hutter 2019, Alg. 2) in torch.optim.AdamW's operation order:

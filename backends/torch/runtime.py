@@ -70,6 +70,9 @@ class TorchBackend:
             torch.cuda.synchronize(self.device)
 
     # ---- optimizer -----------------------------------------------------------------------------
+    def l2_norm(self, t: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(t))
+
     def adamw_step(self, params: list, grads: list, exp_avg: list, exp_avg_sq: list, step: int,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
         """In-place AdamW through torch's own functional implementation (torch.optim.adamw.adamw):

@@ -1,0 +1,332 @@
+"""Data read as a trainer reads it: epochs that see every window once in a fresh order, blends of
+sources by weight, end-of-document ids between tokenized files, the data position, and the
+serialisable DataMix the workers rebuild. Token files of np.arange ids, so a window's first id
+names the window."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from executor.data import (DataMix, DataSpec, MixSource, TokenBatches, _cache_key, open_batches,
+                           open_tokens, prepare_data, prepare_mix, text_files, token_cache)
+from h2ir.errors import H2Error
+
+
+def _manifest(vocab=1 << 20, dp=1, mb=3, seq=8, m=2, seed=0):
+    return {"model": {"vocab": vocab}, "micro_batch": mb, "seq_len": seq, "num_microbatches": m,
+            "dp": dp, "seed": seed}
+
+
+def _token_file(path, ids):
+    np.asarray(ids, dtype="<u4").tofile(path)
+    return str(path)
+
+
+def _quiet(*_):
+    pass
+
+
+def _drawn(data: TokenBatches, replica: int, steps: int) -> list[int]:
+    """The first token id of every sample replica `replica` draws in steps 0..steps-1, in sample
+    order (step, micro-batch, row)."""
+    out = []
+    for step in range(steps):
+        for mb in range(data.m):
+            x, y = data.micro_batch(step, replica, mb)
+            assert np.array_equal(x[:, 1:], y[:, :-1])
+            out += x[:, 0].tolist()
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_every_window_once_per_epoch_in_a_new_order(tmp_path, dp):
+    n, seq = 1001, 8
+    f = _token_file(tmp_path / "train.u32", np.arange(n))
+    man = _manifest(dp=dp, seq=seq)              # 6 samples a step: epochs end inside a step
+    spec = prepare_data(man, tmp_path / "c", f, out=_quiet)
+    data = TokenBatches(open_tokens(spec), 3, seq, 2, dp, 0)
+    for r in range(dp):
+        lo, hi = data.shards[r]
+        windows = (hi - lo - 1) // seq
+        assert data.sources[0].windows[r] == windows
+        firsts = _drawn(data, r, steps=-(-2 * windows // 6))
+        assert all((i - lo) % seq == 0 and lo <= i < hi for i in firsts)   # windows at stride seq
+        order = [(i - lo) // seq for i in firsts]
+        one, two = order[:windows], order[windows:2 * windows]
+        assert sorted(one) == sorted(two) == list(range(windows))         # each once per epoch
+        assert one != two and one != sorted(one)                          # reshuffled
+    if dp == 2:
+        assert data.shards == [(0, n // 2), (n // 2, n)]
+
+
+def test_shuffle_false_reads_windows_in_order(tmp_path):
+    n, seq = 200, 8
+    data = TokenBatches(np.arange(n), 3, seq, 2, 2, 0, shuffle=False)
+    for r in range(2):
+        lo, hi = data.shards[r]
+        windows = (hi - lo - 1) // seq
+        order = [(i - lo) // seq for i in _drawn(data, r, steps=5)]
+        assert order == [k % windows for k in range(30)]                  # wraps to epoch 2
+
+
+def test_a_share_needs_one_whole_window():
+    TokenBatches(np.arange(9), 1, 8, 1, 1)                                # 9 = seq_len+1: one
+    with pytest.raises(H2Error, match="need more than seq_len = 8 per replica") as e:
+        TokenBatches(np.arange(17), 1, 8, 1, 2, name="tiny.bin")          # 8 per replica
+    assert e.value.file == "tiny.bin"
+
+
+def test_a_70_30_blend_keeps_its_weights_and_each_source_its_epochs(tmp_path):
+    a = _token_file(tmp_path / "a.u32", np.arange(10_000))
+    b = _token_file(tmp_path / "b.u32", 50_000 + np.arange(3_000))
+    man = _manifest(mb=4, m=5)                   # 20 samples a step
+    lines = []
+    mix = prepare_mix(man, tmp_path / "c", [{"path": a, "weight": 7}, {"path": b, "weight": 3}],
+                      out=lines.append)
+    assert [s.weight for s in mix.sources] == [7.0, 3.0]
+    assert len(lines) == 3 and "70.0%" in lines[2] and "30.0%" in lines[2], lines
+    data = open_batches(mix, 4, 8, 5, 1, 0)
+    firsts = _drawn(data, 0, steps=500)
+    assert len(firsts) == 10_000
+    from_a = [i for i in firsts if i < 50_000]
+    assert abs(len(from_a) - 7000) <= 1                                   # 70 % within one sample
+    assert abs(len(from_a) / 10_000 - 0.7) <= 0.02
+    # the two sources interleave all along, not in runs
+    assert 0.6 < sum(i < 50_000 for i in firsts[:100]) / 100 < 0.8
+    for order, lo, n in (([i // 8 for i in from_a], 0, 10_000),
+                         ([(i - 50_000) // 8 for i in firsts if i >= 50_000], 50_000, 3_000)):
+        windows = (n - 1) // 8
+        full = len(order) // windows
+        assert full >= 5
+        epochs = [order[e * windows:(e + 1) * windows] for e in range(full)]
+        assert all(sorted(ep) == list(range(windows)) for ep in epochs)
+        assert len({tuple(ep) for ep in epochs}) == full                 # each its own order
+    pos = data.position(500)["replicas"][0]["sources"]
+    assert pos[0]["samples"] == len(from_a) and pos[1]["samples"] == 10_000 - len(from_a)
+    assert pos[0]["epoch"] == len(from_a) // 1249 and pos[0]["index"] == len(from_a) % 1249
+
+
+def test_three_sources_get_their_shares(tmp_path):
+    srcs = [(np.arange(1000) + k * 10_000, w, f"s{k}") for k, w in enumerate((0.5, 0.3, 0.2))]
+    data = TokenBatches(srcs, 10, 8, 1, 1, seed=3)
+    firsts = _drawn(data, 0, steps=1000)
+    for k, w in enumerate((0.5, 0.3, 0.2)):
+        got = sum(i // 10_000 == k for i in firsts)
+        assert abs(got - w * 10_000) <= 2, (k, got)                      # one per level at most
+        assert data.position(1000)["replicas"][0]["sources"][k]["samples"] == got
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_resume_draws_the_same_batches_across_an_epoch_boundary(tmp_path, blend):
+    """Steps 5..9 from a fresh TokenBatches equal those of one that drew steps 0..4 first; with
+    37 windows a replica and 6 samples a step, epoch 1 starts inside step 6."""
+    seq, n = 8, 2 * (37 * 8 + 1)
+    srcs = [(np.arange(n), 1.0, "a")]
+    if blend:
+        srcs = [(np.arange(n), 0.5, "a"), (100_000 + np.arange(n // 2), 0.5, "b")]
+    run = TokenBatches(srcs, 3, seq, 2, 2, seed=7)
+    assert run.sources[0].windows == [37, 37]
+    first = [run.global_batch(s) for s in range(10)]
+    fresh = TokenBatches(srcs, 3, seq, 2, 2, seed=7)
+    for s in range(5, 10):
+        for (x, y), (x2, y2) in zip(first[s], fresh.global_batch(s)):
+            assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    if not blend:
+        assert fresh.position(5)["replicas"][0]["sources"][0]["epoch"] == 0
+        assert fresh.position(7)["replicas"][0]["sources"][0]["epoch"] == 1
+    other_seed = TokenBatches(srcs, 3, seq, 2, 2, seed=8)
+    assert not np.array_equal(other_seed.micro_batch(5, 0, 0)[0], first[5][0][0])
+
+
+def test_position_at_an_epoch_boundary():
+    seq, windows = 8, 12
+    data = TokenBatches(np.arange(2 * (windows * seq + 1)), 2, seq, 2, 2)    # 4 samples a step
+    assert json.loads(json.dumps(data.position(3))) == data.position(3)
+    for step, samples, epoch, index in ((0, 0, 0, 0), (2, 8, 0, 8), (3, 12, 1, 0), (7, 28, 2, 4)):
+        pos = data.position(step)
+        assert pos["step"] == step and pos["samples"] == samples
+        for r in range(2):
+            src = pos["replicas"][r]["sources"][0]
+            assert pos["replicas"][r]["replica"] == r
+            assert (src["samples"], src["epoch"], src["index"], src["windows"]) == \
+                (samples, epoch, index, windows)
+    # the position names the window the step draws first: step 3 starts epoch 1's order
+    order = [(i // seq) for i in _drawn(data, 0, steps=6)]
+    assert sorted(order[12:24]) == list(range(12)) and order[12:24] != order[:12]
+
+
+def test_a_huge_epoch_is_drawn_without_materialising_its_order():
+    """2**40 windows: the order of an epoch is computed per sample, not held."""
+    class Virtual:                     # token i is i: only the drawn windows are ever made
+        def __len__(self):
+            return (1 << 43) + 1
+
+        def __getitem__(self, idx):
+            return np.asarray(idx)
+
+    data = TokenBatches(Virtual(), 4, 8, 2, 1)
+    assert data.sources[0].windows == [1 << 40]
+    x, y = data.micro_batch(123_456_789, 0, 1)
+    assert x.shape == (4, 8) and np.all(x[:, 0] % 8 == 0) and np.array_equal(x[:, 1:], y[:, :-1])
+    pos = data.position(1 << 38)
+    assert pos["replicas"][0]["sources"][0]["epoch"] == 2
+
+
+# ---- documents: an end-of-document id between tokenized files --------------------------------
+@pytest.fixture(scope="module")
+def eos_tok(tmp_path_factory):
+    """A byte-level BPE tokenizer.json with "</s>" (id 0) in its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, show_progress=False, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    assert tok.token_to_id("</s>") == 0
+    p = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(p))
+    return p
+
+
+@pytest.fixture
+def two_docs(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("the quick brown fox\n" * 20)
+    (d / "b.txt").write_text("jumps over the lazy dog\n" * 20)
+    return d
+
+
+def test_tokenized_files_end_with_the_tokenizers_end_of_document_id(tmp_path, eos_tok, two_docs):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(eos_tok))
+    lines = []
+    spec = prepare_data(_manifest(vocab=300), tmp_path / "c", str(two_docs), tokenizer=str(eos_tok),
+                        out=lines.append)
+    ids = open_tokens(spec).tolist()
+    a = tok.encode((two_docs / "a.txt").read_text(), add_special_tokens=False).ids
+    b = tok.encode((two_docs / "b.txt").read_text(), add_special_tokens=False).ids
+    assert ids == a + [0] + b + [0]
+    assert "end-of-document id 0 (</s>, the tokenizer's own)" in lines[-1], lines
+    # an explicit id, and none: other caches, other tokens
+    spec5 = prepare_data(_manifest(vocab=300), tmp_path / "c", str(two_docs),
+                         tokenizer=str(eos_tok), eod=5, out=_quiet)
+    assert open_tokens(spec5).tolist() == a + [5] + b + [5]
+    lines = []
+    none = prepare_data(_manifest(vocab=300), tmp_path / "c", str(two_docs), tokenizer=str(eos_tok),
+                        eod=-1, out=lines.append)
+    assert open_tokens(none).tolist() == a + b
+    assert "no end-of-document token" in lines[-1]
+    assert len({spec.path, spec5.path, none.path}) == 3
+    files = text_files(str(two_docs))
+    assert _cache_key(str(eos_tok), files, 1000, 300, 64, 0) != \
+        _cache_key(str(eos_tok), files, 1000, 300, 64, None)
+    with pytest.raises(H2Error, match="end-of-document id 300 is outside") as e:
+        prepare_data(_manifest(vocab=300), tmp_path / "c", str(two_docs), tokenizer=str(eos_tok),
+                     eod=300, out=_quiet)
+    assert e.value.file == str(eos_tok)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_says_so(tmp_path, two_docs):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["plain words"], trainers.BpeTrainer(
+        vocab_size=270, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    cache, fmt, note = token_cache(tmp_path / "c", str(two_docs), str(path), 1 << 20, 300,
+                                   out=_quiet)
+    assert note.startswith("no end-of-document token (the tokenizer has none of <|endoftext|>")
+    assert fmt == "tokens-u16" and cache.is_file()
+
+
+# ---- the serialisable mix --------------------------------------------------------------------
+def test_data_mix_round_trips_through_json_and_opens_like_the_launcher_checked(tmp_path):
+    a = _token_file(tmp_path / "a.u32", np.arange(500))
+    b = _token_file(tmp_path / "b.bin", np.arange(400))
+    b_u16 = tmp_path / "b.bin"
+    np.arange(400, dtype="<u2").tofile(b_u16)
+    mix = prepare_mix(_manifest(), tmp_path / "c",
+                      [{"path": a, "weight": 0.25}, {"path": str(b_u16), "max_bytes": 1000}],
+                      shuffle=False, out=_quiet)
+    assert mix == DataMix((MixSource(a, "tokens-u32", 4 << 20, 0.25),
+                           MixSource(str(b_u16), "tokens-u16", 1000, 1.0)), shuffle=False)
+    back = DataMix.from_json(json.loads(json.dumps(mix.to_json())))
+    assert back == mix
+    x = open_batches(back, 3, 8, 2, 1, 0).global_batch(4)
+    y = open_batches(mix, 3, 8, 2, 1, 0).global_batch(4)
+    assert all(np.array_equal(p[0], q[0]) for p, q in zip(x, y))
+    # one source: the same batches as the single DataSpec's
+    spec = DataSpec(a, "tokens-u32")
+    one = open_batches(DataMix.single(spec), 3, 8, 2, 1, 0)
+    plain = TokenBatches(open_tokens(spec), 3, 8, 2, 1, 0)
+    assert np.array_equal(one.micro_batch(9, 0, 1)[0], plain.micro_batch(9, 0, 1)[0])
+
+
+@pytest.mark.parametrize("bad, what", [
+    ({"sources": []}, "keys sources and shuffle"),
+    ({"sources": [], "shuffle": True}, "non-empty list"),
+    ({"sources": [{"path": "a", "format": "bytes", "max_bytes": 10}], "shuffle": True},
+     "source 0 is not an object"),
+    ({"sources": [{"path": 3, "format": "bytes", "max_bytes": 10, "weight": 1}], "shuffle": True},
+     "path 3"),
+    ({"sources": [{"path": None, "format": "text", "max_bytes": 10, "weight": 1}], "shuffle": True},
+     "format 'text'"),
+    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 1.5, "weight": 1}],
+      "shuffle": True}, "max_bytes 1.5"),
+    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": 0}],
+      "shuffle": True}, "weight 0"),
+    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": math.nan}],
+      "shuffle": True}, "weight nan"),
+    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": True}],
+      "shuffle": True}, "weight True"),
+    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": 1}],
+      "shuffle": "yes"}, "shuffle is 'yes'"),
+])
+def test_a_malformed_data_mix_is_a_located_error(bad, what):
+    with pytest.raises(H2Error, match="malformed data mix") as e:
+        DataMix.from_json(bad, "run.json")
+    assert what in e.value.message and e.value.file == "run.json"
+
+
+@pytest.mark.parametrize("weight", [0, -1.0, math.inf, math.nan, "1"])
+def test_a_bad_weight_names_the_source(tmp_path, weight):
+    a = _token_file(tmp_path / "a.u32", np.arange(500))
+    b = _token_file(tmp_path / "b.u32", np.arange(500))
+    with pytest.raises(H2Error, match="weight is a positive finite number") as e:
+        prepare_mix(_manifest(), tmp_path, [{"path": a}, {"path": b, "weight": weight}],
+                    out=_quiet)
+    assert e.value.file == b
+    with pytest.raises(H2Error, match="weight is a positive finite number") as e:
+        TokenBatches([(np.arange(100), 1.0, "a"), (np.arange(100), weight, "b")], 1, 8, 1, 1)
+    assert e.value.file == "b"
+
+
+def test_mix_sources_are_checked_like_single_ones(tmp_path):
+    a = _token_file(tmp_path / "a.u32", np.arange(500))
+    with pytest.raises(H2Error, match="unknown key"):
+        prepare_mix(_manifest(), tmp_path, [{"path": a, "wieght": 2}], out=_quiet)
+    with pytest.raises(H2Error, match="outside the model's vocabulary") as e:
+        prepare_mix(_manifest(vocab=300), tmp_path, [{"path": a}, {"path": a}], out=_quiet)
+    assert e.value.file == a
+    short = _token_file(tmp_path / "short.u32", np.arange(16))   # 8 a replica
+    with pytest.raises(H2Error, match="need more than seq_len") as e:
+        prepare_mix(_manifest(dp=2), tmp_path, [{"path": a}, {"path": short}], out=_quiet)
+    assert e.value.file == short
+
+
+def test_without_a_path_the_line_says_the_default_corpus_is_used(tmp_path):
+    lines = []
+    mix = prepare_mix(_manifest(vocab=256), tmp_path, [{"path": None, "max_bytes": 1 << 16}],
+                      out=lines.append)
+    assert mix.sources[0].path is None and mix.sources[0].format == "bytes"
+    assert len(lines) == 1
+    assert lines[0].startswith("data: the default corpus (no data path given: this Python's "
+                               "standard library sources"), lines
+    lines = []
+    prepare_mix(_manifest(vocab=256), tmp_path, [{"path": None, "max_bytes": 1 << 16}],
+                shuffle=False, out=lines.append, what="eval data")
+    assert lines[0].startswith("eval data: the default corpus") and "read in order" in lines[0]
