@@ -32,4 +32,4 @@ docs: $(STAMP)
 	$(VPY) tools/gen_docs.py
 
 clean:
-	rm -rf build B .pytest_cache
+	rm -rf build build-moe build-gpt2 B .pytest_cache

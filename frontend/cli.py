@@ -50,24 +50,37 @@ def config_main(argv: list[str]) -> int:
 
 
 def ir_main(argv: list[str]) -> int:
+    from h2ir import config as jobconfig
+    argv, overrides = jobconfig.split_overrides(argv)
     ap = argparse.ArgumentParser(prog="h2c ir", description="Print a model's h2ir (typed graph "
                                  "grouped into layers, with costs).")
-    ap.add_argument("path", help="a model file (.py) to trace, or an .h2ir file to parse")
+    ap.add_argument("path", nargs="?", help="a model file (.py) to trace, or an .h2ir file to "
+                    "parse (default: the config's model.file)")
+    ap.add_argument("--config", metavar="FILE.toml", help="the job configuration: model.file, "
+                    "model.args, batch.seq and batch.micro are the defaults of the flags")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for build_model (repeatable)")
-    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), default=128)
-    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH), default=1)
+    ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN), help="batch.seq (default 128)")
+    ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH),
+                    help="batch.micro (default 1)")
     ap.add_argument("--summary", action="store_true", help="one row per layer with its costs")
     ap.add_argument("--json", action="store_true", help="machine-readable layer costs")
     ap.add_argument("-o", "--output", help="write to FILE instead of stdout")
     a = ap.parse_args(argv)
+    cfg = jobconfig.build_config(config_file=a.config, overrides=overrides)
+    a.path = a.path or cfg.model.file
+    if not a.path:
+        ap.error("the model file is required (a positional argument, or model.file in --config)")
+    a.seq_len = a.seq_len or cfg.batch.seq
+    a.micro_batch = a.micro_batch or cfg.batch.micro or 1
+    config_args = cfg.model.args
 
     if a.path.endswith(".h2ir"):
         from h2ir.text import load_graph
         g = load_graph(a.path)
     else:
         from frontend.capture import capture, parse_model_args
-        g = capture(a.path, parse_model_args(a.arg), a.micro_batch, a.seq_len)
+        g = capture(a.path, {**config_args, **parse_model_args(a.arg)}, a.micro_batch, a.seq_len)
         if g.attrs.get("model_output") and (a.json or a.summary):     # the IR header says it
             print(f"note: the model's output is not a tensor; h2 trains on "
                   f"{g.attrs['model_output']} as its logits", file=sys.stderr)

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="h2c plan", description="Plan a model on a (heterogeneous) "
                                  "cluster with HeteroAuto, a uniform split, or a .h2plan file, "
                                  "and predict its training step.")
-    ap.add_argument("model", help="model file (.py with build_model) or layer-cost JSON")
+    ap.add_argument("model", nargs="?", help="model file (.py with build_model) or layer-cost "
+                    "JSON (default: the config's model.file)")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for build_model (repeatable)")
     ap.add_argument("--cluster", help="built-in cluster name or cluster TOML file (default: the "
@@ -90,7 +91,10 @@ def main(argv: list[str]) -> int:
             v = getattr(getattr(cfg, sec), key)
             if v != getattr(getattr(d, sec), key) and getattr(a, dest) in (None, ap.get_default(dest)):
                 setattr(a, dest, v)
-        a.arg = [f"{k}={v}" for k, v in cfg.model.args.items()] + a.arg
+        a.config_args = cfg.model.args
+        a.model = a.model or cfg.model.file or None
+    if not a.model:
+        ap.error("the model is required (a positional argument, or model.file in --config)")
     try:
         report = plan_report(a)
     except H2Error as e:
@@ -213,7 +217,7 @@ def _plan_inputs(a) -> _PlanInputs:
     """Resolve the plan file, cluster (a.cluster is set to the one used), calibration, layer
     costs and batch shape from the command line, in that order."""
     from h2ir.clusters.clusterfile import load_cluster
-    args = _model_args(a.arg)
+    args = {**getattr(a, "config_args", {}), **_model_args(a.arg)}
     given: Plan | None = None
     if a.plan not in ("auto", "uniform"):
         from h2ir.plans.dsl import load_plan

@@ -218,6 +218,16 @@ class Config:
             lines.append("")
         return "\n".join(lines)
 
+    def check(self, file: str | None = None) -> None:
+        """Constraints between fields (each field's own bounds are checked when it is set)."""
+        if self.lr_schedule.min_lr > self.optimizer.lr:
+            raise H2Error(f"lr_schedule.min_lr ({self.lr_schedule.min_lr:g}) is above "
+                          f"optimizer.lr ({self.optimizer.lr:g}): the schedule would raise the lr",
+                          file)
+        if self.data.path and self.data.sources:
+            raise H2Error("data.path and data.sources are both set: give one (a single path, "
+                          "or a blend of sources)", file)
+
     def recipe(self) -> dict:
         """What the workers need of the training recipe (JSON): optimizer, schedule, steps,
         clipping and the NaN policy."""
@@ -454,16 +464,21 @@ def build_config(*, base: Config | None = None, base_file: str | None = None,
         cfg.set(section, key, v, Where(flag=f"--{section}.{key}"))
     for section, key, text, flag in overrides:
         cfg.set(section, key, parse_cli_value(section, key, text, flag), Where(flag=flag))
+    cfg.check(config_file)
     return cfg
 
 
 def program_differences(built: Config, wanted: Config) -> list[str]:
-    """The `program` fields whose values differ: '(section.field: built X, asked Y)'."""
+    """The `program` fields whose values differ: '(section.field: built X, asked Y)'; a model
+    file counts as the same when both names resolve to one file."""
+    import os
     out = []
     for s, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             if f.metadata.get("program"):
                 a, b = getattr(getattr(built, s), f.name), getattr(getattr(wanted, s), f.name)
+                if f.name == "file" and a and b and os.path.realpath(a) == os.path.realpath(b):
+                    continue
                 if a != b:
                     out.append(f"{s}.{_key(f)}: built {_show(a)}, asked {_show(b)}")
     return out

@@ -342,3 +342,18 @@ def test_tensorboard_scalars(small_build, tmp_path):
     acc.Reload()
     assert {"train/loss", "train/lr", "train/grad_norm"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_shipped_training_configs_resolve():
+    """examples/train/*.toml are valid, and the demo's (README's first command) has warmup +
+    cosine, clipping and a held-out evaluation."""
+    from h2ir.config import build_config
+    files = sorted((ROOT / "examples/train").glob("*.toml"))
+    assert {f.stem for f in files} >= {"llama_tiny", "moe_tiny", "hf_gpt2"}
+    for f in files:
+        cfg = build_config(config_file=str(f))
+        assert (ROOT / cfg.model.file).is_file() and cfg.eval.data
+    demo = build_config(config_file=str(ROOT / "examples/train/llama_tiny.toml"))
+    assert demo.lr_schedule.kind == "cosine" and demo.lr_schedule.warmup_steps > 0
+    assert demo.training.clip_grad_norm > 0 and demo.eval.every > 0
+    assert "examples/train/llama_tiny.toml" in (ROOT / "examples/demo.sh").read_text()
