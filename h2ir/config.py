@@ -196,13 +196,7 @@ class Config:
 
     def set(self, section: str, key: str, value, where: "Where") -> None:
         """Set one field from a parsed value (TOML or command line), checked."""
-        cls = SECTIONS.get(section)
-        if cls is None:
-            where.fail(f"unknown section [{section}]", _suggest(section, SECTIONS))
-        fields = {_key(f): f for f in dataclasses.fields(cls)}
-        f = fields.get(key)
-        if f is None:
-            where.fail(f"unknown field {section}.{key}", _suggest(key, fields))
+        f = _field(section, key, where)
         setattr(getattr(self, section), f.name, check_value(section, f, value, where))
 
     def to_toml(self, sections=None) -> str:
@@ -247,6 +241,17 @@ class Where:
         if self.flag and not message.startswith(self.flag.lstrip("-").split(".")[0]):
             message = f"{self.flag}: {message}"
         raise H2Error(message, self.file, self.line, hint=hint)
+
+
+def _field(section: str, key: str, where: Where) -> dataclasses.Field:
+    """The field `section.key`, or a located error suggesting the nearest name."""
+    cls = SECTIONS.get(section)
+    if cls is None:
+        where.fail(f"unknown section [{section}]", _suggest(section, SECTIONS))
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        where.fail(f"unknown field {section}.{key}", _suggest(key, fields))
+    return fields[key]
 
 
 def _suggest(word: str, choices) -> str | None:
@@ -371,13 +376,7 @@ def parse_cli_value(section: str, key: str, text: str, flag: str):
     """A `--section.field VALUE` string as the field's type: TOML syntax for numbers, booleans,
     lists and tables; a plain string as itself; `none` for an optional field."""
     where = Where(flag=flag)
-    cls = SECTIONS.get(section)
-    if cls is None:
-        where.fail(f"unknown section {section!r}", _suggest(section, SECTIONS))
-    fields = {_key(f): f for f in dataclasses.fields(cls)}
-    f = fields.get(key)
-    if f is None:
-        where.fail(f"unknown field {section}.{key}", _suggest(key, fields))
+    f = _field(section, key, where)
     if text.strip().lower() == "none" and f.metadata["optional"]:
         return None
     if _base_type(f) is str:
