@@ -39,7 +39,6 @@ DEFAULT_CLUSTER = "local"
 _SEQ_ARGS = ("max_seq", "max_seq_len", "seq_len", "max_position_embeddings", "block_size")
 
 
-DEFAULT_GLOBAL_BATCH_MAX = 16384
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,11 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan", default="auto", metavar="auto|uniform|FILE.h2plan")
     ap.add_argument("--search", default="heuristic", choices=("heuristic", "exhaustive"))
     ap.add_argument("--global-batch", type=int_flag(1, MAX_GLOBAL_BATCH),
-                    help="sequences per step (default: max(8, chips), at most 16384)")
+                    help="batch.global: sequences per step (default 16)")
     ap.add_argument("--micro-batch", type=int_flag(1, MAX_MICRO_BATCH, words=("auto",)),
                     metavar="N|auto", help="sequences per micro-batch (default: auto, searched)")
     ap.add_argument("--seq-len", type=int_flag(1, MAX_SEQ_LEN),
-                    help="tokens per sequence (default: the model's maximum)")
+                    help="batch.seq: tokens per sequence (default 128; a layer-cost JSON's own)")
     ap.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
                     help="pipeline schedule (auto: search 1f1b and gpipe, then keep the fastest "
                     "of that pipeline under every schedule h2x runs); interleaved, izb and zbv "
@@ -125,8 +124,9 @@ def _model_args(pairs: list[str]) -> dict:
     return out
 
 
-def _default_seq_len(model: str, args: dict) -> int:
-    """The model's own maximum sequence length: a build_model argument (given, or its default)."""
+def _model_max_seq(model: str, args: dict) -> int | None:
+    """The model's own maximum sequence length: a build_model argument (given, or its default);
+    None when it has none."""
     for k in _SEQ_ARGS:
         if k in args:
             v = args[k]
@@ -138,12 +138,12 @@ def _default_seq_len(model: str, args: dict) -> int:
         from frontend.capture import load_model_file
         sig = inspect.signature(load_model_file(model).module.build_model)
     except (ImportError, ValueError, TypeError):
-        return 128
+        return None
     for k in _SEQ_ARGS:
         p = sig.parameters.get(k)
         if p is not None and isinstance(p.default, int):
             return p.default
-    return 128
+    return None
 
 
 def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) -> ModelCosts:
@@ -164,7 +164,11 @@ def load_costs(model: str, args: dict, micro_batch: int, seq_len: int | None) ->
     except ImportError as e:
         raise H2Error(f"the frontend is not available to trace {model} ({e})",
                       hint="pass a layer-cost JSON file instead") from None
-    return model_costs(model, args, micro_batch, seq_len or _default_seq_len(model, args))
+    longest = _model_max_seq(model, args)
+    if longest is not None and seq_len > longest:
+        raise H2Error(f"batch.seq {seq_len} is longer than the model's maximum sequence length "
+                      f"{longest}", model, hint=f"pass --seq-len {longest} (or less)")
+    return model_costs(model, args, micro_batch, seq_len)
 
 
 def _short(e: Exception) -> str:
@@ -226,15 +230,17 @@ def _plan_inputs(a) -> _PlanInputs:
     cluster = load_cluster(a.cluster)
     measured = measured_backends(cluster)
     cal = ensure_calibration(measured) if measured else None
+    # defaults: the job configuration's (h2ir/config.py), as h2c compile and h2c ir take them;
+    # a layer-cost JSON keeps the sequence length it was computed at
+    from h2ir.config import Config
+    defaults = Config().batch
     seq_len = a.seq_len or (given.seq_len if given else None)
+    if seq_len is None and Path(a.model).suffix == ".py":
+        seq_len = defaults.seq
     mb_trace = given.micro_batch if given else (a.micro_batch or 1)
     costs = load_costs(a.model, args, mb_trace, seq_len)
     seq_len = seq_len or costs.seq_len
-    # default: one sequence per chip, at most DEFAULT_GLOBAL_BATCH_MAX (a batch that large is
-    # a deliberate choice, so it must be asked for; this also keeps the search's dp range, and so
-    # its work, bounded whatever the chip count)
-    gb = a.global_batch or (given.global_batch if given else
-                            max(8, min(cluster.total_chips, DEFAULT_GLOBAL_BATCH_MAX)))
+    gb = a.global_batch or (given.global_batch if given else defaults.global_)
     model_name = a.model if Path(a.model).suffix == ".py" else costs.model
     return _PlanInputs(given, cluster, cal, costs, seq_len, gb, model_name)
 
