@@ -86,6 +86,20 @@ def _kill_all(procs):
             pass
 
 
+def json_line(obj) -> str:
+    """One JSON-log line; a NaN or infinite number (a step the NaN guard skipped) is written as
+    null, so every line is valid JSON (json.dumps would write a bare NaN)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(obj), allow_nan=False) + "\n"
+
+
 def tensorboard_writer(log_dir: str | None):
     """torch.utils.tensorboard's SummaryWriter on `log_dir` (logging.tensorboard), or None."""
     if not log_dir:
@@ -323,7 +337,7 @@ class _Progress:
                 self.result.eval_losses.append((ev["step"], loss))
                 self.out(f"eval {ev['step']:>4}/{self.steps}  held-out loss {loss:.4f}")
                 if self.log_f:
-                    self.log_f.write(json.dumps({"step": ev["step"], "eval_loss": loss}) + "\n")
+                    self.log_f.write(json_line({"step": ev["step"], "eval_loss": loss}))
                     self.log_f.flush()
                 if self.tb is not None:
                     self.tb.add_scalar("eval/loss", loss, ev["step"])
@@ -404,7 +418,7 @@ class _Progress:
                 line["moe"] = moe
             if rep.get("a2a"):
                 line["a2a"] = {f"w{k}": v for k, v in sorted(rep["a2a"].items())}
-            self.log_f.write(json.dumps(line) + "\n")
+            self.log_f.write(json_line(line))
             self.log_f.flush()
         if self.tb is not None:
             scalars = {"train/loss": loss, "train/tokens_per_s": tps, "train/step_s": step_s}

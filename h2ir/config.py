@@ -66,6 +66,10 @@ class Data:
     eod_token: int = _f(None, "end-of-document id appended after each text file (none: the "
                         "tokenizer's own, if it has one)", lo=0, hi=1 << 32, optional=True)
     shuffle: bool = _f(True, "visit the windows of each epoch in a seeded shuffled order")
+    packing: str = _f("concat", "concat: windows pack across documents (causal attention over "
+                      "the whole window); document: every window inside one document, so "
+                      "attention never crosses a document boundary (needs an eod id)",
+                      choices=("concat", "document"))
 
 
 @dataclass

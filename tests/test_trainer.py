@@ -177,7 +177,10 @@ def small_build(tmp_path_factory):
 
 
 def _log(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    """The JSON log's lines, strictly: a bare NaN/Infinity (not JSON) fails the test."""
+    def bad(c):
+        raise AssertionError(f"not valid JSON: {c}")
+    return [json.loads(line, parse_constant=bad) for line in Path(path).read_text().splitlines()]
 
 
 def test_nonfinite_stops_keeps_finite_checkpoints_and_resumes(small_build, tmp_path):
@@ -220,6 +223,7 @@ def test_skip_policy_counts_skipped_steps(small_build, tmp_path):
                 "--json-log", str(log))
     lines = [x for x in _log(log) if "loss" in x]
     skipped = [x for x in lines if x["skipped"]]
+    assert all(x["loss"] is None or math.isfinite(x["loss"]) for x in lines)
     assert skipped and skipped[-1]["skipped_steps"] == len(skipped)
     assert "SKIPPED" in r.stdout
     if r.returncode != 0:       # three in a row: stopped, saying so
