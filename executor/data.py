@@ -26,21 +26,33 @@ byte limit, the end-of-document id and the model's vocabulary: a resumed run fin
 and a rebuilt one has the same bytes. Tokenizing once in the launcher also means the first and
 last stages, which both need the batch, never tokenize twice or disagree.
 
-Documents: each text file is a document, and tokenized text gets an end-of-document id after each
-one (the tokenizer's own `<|endoftext|>`, `</s>`, ... or an explicit id); token files carry theirs
-already, bytes have none. Windows are packed across documents, as nanoGPT's and Megatron's default
-packing: NOTE: attention is causal over the whole window, not masked at document boundaries (that
-needs per-document masks in the stage programs, which are not built).
+Documents: each text file is a document, and tokenized text gets an end-of-document (eod) id after
+each one (the tokenizer's own `<|endoftext|>`, `</s>`, ... or an explicit id); token files carry
+theirs already, bytes have none. Packing, per mix:
+- `concat` (the default): windows are packed across documents, as nanoGPT's and Megatron's default
+  packing: attention is causal over the whole window, not masked at document boundaries.
+- `document`: every window lies inside one document, so causal attention never crosses a document
+  boundary (no per-document masks needed in the stage programs). A document is a maximal run of
+  tokens ending with (and including) an eod id; the last one may lack it. A document of L tokens
+  holds (L-1) // seq_len windows at stride seq_len from its start; a tail shorter than seq_len+1
+  is dropped, and so is a document shorter than seq_len+1. It needs the source's eod id (the
+  explicit one, `data.eod_token`, else the tokenizer's own for text, else an error).
 
 Sampling, as a trainer reads data: replica r of dp reads only the r-th of dp contiguous, equal
 shares of each source's tokens (replicas never see the same token). A share of n tokens holds
-N = (n-1) // seq_len windows of seq_len+1 tokens at stride seq_len; an epoch reads every window
-once, in an order reshuffled every epoch (or in order, for evaluation data). Several sources blend
-by weight: each sample goes to one source by a closed-form count (`_Blend`), and each source runs
-through its own epochs. Batches are a pure function of (seed, step, replica, micro-batch): every
-worker that needs data (the first stage for tokens, the last for targets) draws the same batch
-without talking to the others, and a resumed run draws exactly the samples the uninterrupted run
-drew (the data position in a checkpoint is the step; `TokenBatches.position` spells it out).
+N = (n-1) // seq_len windows of seq_len+1 tokens at stride seq_len (packing `concat`). With
+packing `document`, replica r reads the windows (inside documents, as above) that *start* in its
+share [lo, hi): every window is exactly one replica's, and a long document's windows spread over
+the replicas its tokens span. A window starting just before hi reads on past it, but only its
+seq_len+1 tokens: like consecutive windows of one replica, two replicas' windows then share at
+most that one boundary token (the last target of one, the first input of the other), never an
+input token. An epoch reads every window once, in an order reshuffled every epoch (or in order,
+for evaluation data). Several sources blend by weight: each sample goes to one source by a
+closed-form count (`_Blend`), and each source runs through its own epochs. Batches are a pure
+function of (seed, step, replica, micro-batch): every worker that needs data (the first stage
+for tokens, the last for targets) draws the same batch without talking to the others, and a
+resumed run draws exactly the samples the uninterrupted run drew (the data position in a
+checkpoint is the step; `TokenBatches.position` spells it out).
 """
 from __future__ import annotations
 
@@ -58,7 +70,7 @@ from h2ir.errors import H2Error
 
 MAX_BYTES = 4 << 20       # of text, by default: 4 MiB is plenty for the tiny models
 TEXT_CHUNK = 1 << 20      # bytes of text tokenized at a time
-SCAN_ELEMS = 1 << 20      # token ids read at a time by the vocabulary check
+SCAN_ELEMS = 1 << 20      # token ids read at a time by the vocabulary check and the eod scan
 CACHE_VERSION = b"h2-token-cache/2"      # 2: an end-of-document id after each file
 
 FORMATS = ("auto", "text", "bytes", "tokens-u16", "tokens-u32")
@@ -68,6 +80,7 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
 # a tokenizer's end-of-document token: the first of these its vocabulary holds (GPT-2/Qwen,
 # LLaMA 1-2/Mistral, Gemma-style, LLaMA 3, BERT)
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+PACKINGS = ("concat", "document")
 
 
 @dataclass(frozen=True)
@@ -91,11 +104,13 @@ def _is_weight(w) -> bool:
 
 @dataclass(frozen=True)
 class MixSource:
-    """One source of a DataMix: a DataSpec and its weight in the blend."""
+    """One source of a DataMix: a DataSpec, its weight in the blend, and its end-of-document id
+    (None: none known; packing `document` needs one)."""
     path: str | None
     format: str
     max_bytes: int = MAX_BYTES
     weight: float = 1.0
+    eod: int | None = None
 
     @property
     def spec(self) -> DataSpec:
@@ -112,15 +127,18 @@ class DataMix:
     evaluation): the launcher's choices, serialisable so that workers rebuild exactly them."""
     sources: tuple[MixSource, ...]
     shuffle: bool = True
+    packing: str = "concat"               # one of PACKINGS
 
     @classmethod
-    def single(cls, spec: DataSpec, shuffle: bool = True) -> "DataMix":
-        return cls((MixSource(spec.path, spec.format, spec.max_bytes),), shuffle)
+    def single(cls, spec: DataSpec, shuffle: bool = True, packing: str = "concat",
+               eod: int | None = None) -> "DataMix":
+        return cls((MixSource(spec.path, spec.format, spec.max_bytes, 1.0, eod),), shuffle,
+                   packing)
 
     def to_json(self) -> dict:
         return {"sources": [{"path": s.path, "format": s.format, "max_bytes": s.max_bytes,
-                             "weight": s.weight} for s in self.sources],
-                "shuffle": self.shuffle}
+                             "weight": s.weight, "eod": s.eod} for s in self.sources],
+                "shuffle": self.shuffle, "packing": self.packing}
 
     @classmethod
     def from_json(cls, d, where: str | None = None) -> "DataMix":
@@ -128,17 +146,22 @@ class DataMix:
         def bad(what):
             return H2Error(f"malformed data mix: {what}", where,
                            hint='expected {"sources": [{"path", "format", "max_bytes", '
-                                '"weight"}, ...], "shuffle": bool}')
-        if not isinstance(d, dict) or set(d) != {"sources", "shuffle"}:
-            raise bad("not an object with keys sources and shuffle")
+                                '"weight", "eod"}, ...], "shuffle": bool, '
+                                '"packing": "concat" | "document"}')
+        if not isinstance(d, dict) or set(d) != {"sources", "shuffle", "packing"}:
+            raise bad("not an object with keys sources, shuffle and packing")
         if not isinstance(d["shuffle"], bool):
             raise bad(f"shuffle is {d['shuffle']!r}, not true or false")
+        if d["packing"] not in PACKINGS:
+            raise bad(f"packing is {d['packing']!r}, not one of {', '.join(PACKINGS)}")
         if not isinstance(d["sources"], list) or not d["sources"]:
             raise bad("sources is not a non-empty list")
         out = []
         for i, s in enumerate(d["sources"]):
-            if not isinstance(s, dict) or set(s) != {"path", "format", "max_bytes", "weight"}:
-                raise bad(f"source {i} is not an object with keys path, format, max_bytes, weight")
+            if not isinstance(s, dict) or \
+                    set(s) != {"path", "format", "max_bytes", "weight", "eod"}:
+                raise bad(f"source {i} is not an object with keys path, format, max_bytes, "
+                          "weight, eod")
             if s["path"] is not None and not isinstance(s["path"], str):
                 raise bad(f"source {i}: path {s['path']!r} is not a string or null")
             if s["format"] not in ("bytes", *TOKEN_DTYPES):
@@ -148,8 +171,11 @@ class DataMix:
             w = s["weight"]
             if not _is_weight(w):
                 raise bad(f"source {i}: weight {w!r} is not a positive finite number")
-            out.append(MixSource(s["path"], s["format"], s["max_bytes"], float(w)))
-        return cls(tuple(out), d["shuffle"])
+            eod = s["eod"]
+            if eod is not None and (type(eod) is not int or eod < 0):
+                raise bad(f"source {i}: eod {eod!r} is not a non-negative integer or null")
+            out.append(MixSource(s["path"], s["format"], s["max_bytes"], float(w), eod))
+        return cls(tuple(out), d["shuffle"], d["packing"])
 
 
 # ---- text files ------------------------------------------------------------------------------
@@ -426,6 +452,14 @@ def token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max
                 what: str = "data") -> tuple[Path, str, str]:
     """The token cache file of this text and tokenizer (written if missing), its format, and
     what the data line says of its end-of-document id (`eod`: as `end_of_document` takes it)."""
+    return _token_cache(cache_dir, text_path, tokenizer_path, max_bytes, vocab, out, chunk, eod,
+                        what)[:3]
+
+
+def _token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max_bytes: int,
+                 vocab: int | None, out=print, chunk: int = TEXT_CHUNK, eod: int | None = None,
+                 what: str = "data") -> tuple[Path, str, str, int | None]:
+    """`token_cache`, and the end-of-document id after each file (None: none)."""
     tok = load_tokenizer(tokenizer_path)
     eod, eod_note = end_of_document(tok, eod, vocab, str(tokenizer_path))
     ids = max(tok.get_vocab_size(), 0 if eod is None else eod + 1)
@@ -440,7 +474,7 @@ def token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max
     cache = Path(cache_dir) / f"{files[0].stem}-{key}{suffix}"
     if cache.is_file():
         out(f"{what}: tokens of {label} cached in {cache}")
-        return cache, fmt, eod_note
+        return cache, fmt, eod_note, eod
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
     dtype = TOKEN_DTYPES[fmt]
@@ -454,7 +488,7 @@ def token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, max
         tmp.unlink(missing_ok=True)
     out(f"{what}: tokenized {label} with {tokenizer_path}: {n} tokens "
         f"in {time.perf_counter() - t0:.1f} s, cached in {cache}")
-    return cache, fmt, eod_note
+    return cache, fmt, eod_note, eod
 
 
 # ---- choosing and opening a source -----------------------------------------------------------
@@ -474,9 +508,10 @@ def resolve_format(path: str | None, fmt: str, tokenizer: str | None) -> tuple[s
 
 def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
                     tokenizer: str | None, max_bytes: int, eod: int | None, out, what: str,
-                    alone: bool) -> tuple[DataSpec, np.ndarray, str]:
+                    alone: bool) -> tuple[DataSpec, np.ndarray, str, int | None]:
     """One source checked against the build (vocabulary) and tokenized into its cache: its
-    DataSpec, its tokens, and what its data line says of it. `alone`: the only source, so a
+    DataSpec, its tokens, what its data line says of it, and its end-of-document id (`eod` when
+    given, >= 0; else the tokenizer's own for text; else None). `alone`: the only source, so a
     tokenizer it does not use is an error here (in a blend, a token file beside text is fine)."""
     if type(max_bytes) is not int or max_bytes < 2:
         raise H2Error(f"--data-max-bytes must be at least 2 (got {max_bytes})", path)
@@ -489,6 +524,7 @@ def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
         raise H2Error("--data-format text needs --tokenizer tokenizer.json (the model's own); "
                       "--data-format bytes trains on byte values instead", path)
     label = path or DEFAULT_CORPUS
+    doc_id = eod if eod is not None and eod >= 0 else None
     if fmt in TOKEN_DTYPES:
         if not path:
             raise H2Error(f"--data-format {fmt} needs --data PATH (a token file)")
@@ -498,8 +534,8 @@ def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
             check_token_file(path, fmt, vocab)
         desc = f"{path}: {len(tokens)} {TOKEN_DTYPES[fmt].name} token ids, memory-mapped ({why})"
     elif fmt == "text":
-        cache, cfmt, eod_note = token_cache(Path(cache_dir), path, tokenizer, max_bytes, vocab, out,
-                                            eod=eod, what=what)
+        cache, cfmt, eod_note, doc_id = _token_cache(Path(cache_dir), path, tokenizer, max_bytes,
+                                                     vocab, out, eod=eod, what=what)
         spec = DataSpec(str(cache), cfmt, max_bytes)
         tokens = open_token_file(spec.path, cfmt)
         desc = f"{label}: {len(tokens)} tokens from {tokenizer}, {eod_note}"
@@ -507,7 +543,7 @@ def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
         spec = DataSpec(path, "bytes", max_bytes)
         tokens = load_corpus(path, max_bytes, vocab)
         desc = f"{label}: {len(tokens)} byte tokens ({why})"
-    return spec, tokens, desc
+    return spec, tokens, desc, doc_id
 
 
 def prepare_data(manifest: dict, cache_dir: Path, path: str | None = None, fmt: str = "auto",
@@ -527,11 +563,16 @@ SOURCE_KEYS = ("path", "format", "weight", "max_bytes")
 
 def prepare_mix(manifest: dict, cache_dir: Path, sources: list[dict], tokenizer: str | None = None,
                 eod: int | None = None, shuffle: bool = True, out=print,
-                what: str = "data") -> DataMix:
+                what: str = "data", packing: str = "concat") -> DataMix:
     """`prepare_data` for a blend: each source ({"path": str | None (the default corpus),
     "format": "auto", "weight": 1.0, "max_bytes": MAX_BYTES}) is checked and tokenized on its own,
     and each gets one `what:` line (plus one line naming the weights of a blend). `eod`: the
-    end-of-document id after each tokenized file (None: the tokenizer's own, if any; -1: none)."""
+    end-of-document id after each tokenized file (None: the tokenizer's own, if any; -1: none),
+    and the id that ends each document of every source (packing `document`: see the module
+    docstring; a source with no eod id known is then an error)."""
+    if packing not in PACKINGS:
+        raise H2Error(f"{what}: unknown packing {packing!r} (expected one of: "
+                      f"{', '.join(PACKINGS)})")
     if not isinstance(sources, list) or not sources:
         raise H2Error(f"{what}: expected a non-empty list of data sources")
     checked = []
@@ -554,21 +595,38 @@ def prepare_mix(manifest: dict, cache_dir: Path, sources: list[dict], tokenizer:
                       "text", str(tokenizer), hint="say format text for a source to tokenize it")
     mix, tokens, lines = [], [], []
     for path, fmt, w, max_bytes in checked:
-        spec, toks, desc = _prepare_source(manifest, cache_dir, path, fmt, tokenizer, max_bytes,
-                                           eod, out, what, alone=len(checked) == 1)
-        mix.append(MixSource(spec.path, spec.format, spec.max_bytes, w))
-        tokens.append((toks, w, spec.path or str(default_corpus_dir())))
+        spec, toks, desc, doc_id = _prepare_source(manifest, cache_dir, path, fmt, tokenizer,
+                                                   max_bytes, eod, out, what,
+                                                   alone=len(checked) == 1)
+        if packing == "document":
+            _check_eod(doc_id, path or DEFAULT_CORPUS, manifest)
+        mix.append(MixSource(spec.path, spec.format, spec.max_bytes, w, doc_id))
+        tokens.append((toks, w, spec.path or str(default_corpus_dir()), doc_id))
         lines.append(desc)
-    data = DataMix(tuple(mix), shuffle)
+    data = DataMix(tuple(mix), shuffle, packing)
     batches = TokenBatches(tokens, manifest["micro_batch"], manifest["seq_len"],
                            manifest["num_microbatches"], manifest["dp"], manifest["seed"],
-                           shuffle=shuffle)
+                           shuffle=shuffle, packing=packing)
     for desc, src in zip(lines, batches.sources):
         out(f"{what}: {desc}; {batches.describe(src)}")
     if len(mix) > 1:
         out(f"{what}: a blend of {len(mix)} sources by weight: " +
             ", ".join(f"{s.name} {100 * s.weight:.1f}%" for s in batches.sources))
     return data
+
+
+def _check_eod(eod: int | None, name: str, manifest: dict | None = None) -> None:
+    """Packing `document` needs the source's end-of-document id, inside the vocabulary."""
+    if eod is None or eod < 0:
+        raise H2Error('packing "document" needs an end-of-document id to find the documents '
+                      "of this source, and none is known (no data.eod_token given, and no "
+                      "tokenizer end-of-document token for it)", name,
+                      hint="set data.eod_token to the id that ends each document (for token "
+                           'files: the id written after each document), or use packing "concat"')
+    vocab = int(((manifest or {}).get("model") or {}).get("vocab") or 0) or None
+    if vocab and eod >= vocab:
+        raise H2Error(f"end-of-document id {eod} is outside the model's vocabulary (vocab "
+                      f"{vocab}: ids 0..{vocab - 1}), so no document would ever end", name)
 
 
 def open_tokens(spec: DataSpec) -> np.ndarray:
@@ -581,20 +639,84 @@ def open_tokens(spec: DataSpec) -> np.ndarray:
 def open_batches(mix: DataMix, micro_batch: int, seq_len: int, num_microbatches: int, dp: int,
                  seed: int) -> "TokenBatches":
     """The micro-batches a worker draws from a DataMix (every source opened as `open_tokens`)."""
-    return TokenBatches([(open_tokens(s.spec), s.weight, s.name) for s in mix.sources],
-                        micro_batch, seq_len, num_microbatches, dp, seed, shuffle=mix.shuffle)
+    return TokenBatches([(open_tokens(s.spec), s.weight, s.name, s.eod) for s in mix.sources],
+                        micro_batch, seq_len, num_microbatches, dp, seed, shuffle=mix.shuffle,
+                        packing=mix.packing)
 
 
 # ---- sampling: epochs over windows, blends by weight ----------------------------------------
 @dataclass
 class Source:
     """One source's tokens, its weight (normalised) and, per replica, its share [lo, hi) of the
-    tokens and the number of windows in that share."""
+    tokens and the number of windows in that share. Packing `document` adds, per replica, the
+    window-start table (`starts`: window k of the replica begins at token starts[r][k], instead
+    of lo + k * seq_len) and the documents' counts (`documents`, see `_document_windows`)."""
     tokens: np.ndarray
     weight: float
     name: str
     shards: list[tuple[int, int]]
     windows: list[int]
+    eod: int | None = None
+    starts: list[np.ndarray] | None = None
+    documents: dict | None = None
+
+
+def _document_windows(tokens, eod: int, seq: int, bounds: list[int]) \
+        -> tuple[list[np.ndarray], dict]:
+    """Packing `document`: the start offsets of the windows inside the documents of `tokens`, per
+    replica share [bounds[r], bounds[r+1]), and the counts of documents, of those dropped as
+    shorter than seq+1 tokens and of their tokens (each a list per replica, a document counted
+    in the share that holds its first token).
+
+    A document is a maximal run of tokens ending with (and including) an `eod` id; the last may
+    lack it. A document [start, end) of L tokens holds windows [start + k*seq, start + k*seq +
+    seq + 1) for k < (L-1) // seq (its tail of fewer than seq+1 tokens is dropped). A window
+    belongs to the replica whose share holds its first token: every window is exactly one
+    replica's, and a document across a share boundary gives windows to both replicas.
+
+    The tokens (a memory map, usually) are scanned SCAN_ELEMS ids at a time, never held whole;
+    what stays is the window-start table, int64: 8 bytes per window (8 / seq bytes per token),
+    for all replicas (a worker's `position` and epochs need every replica's count). While it is
+    built, a piece's windows (those of the documents ending in it) and the final concatenation
+    hold a few times that at most."""
+    n, dp = len(tokens), len(bounds) - 1
+    parts: list[list[np.ndarray]] = [[] for _ in range(dp)]
+    docs, short, short_tokens = [0] * dp, [0] * dp, [0] * dp
+    edges = np.asarray(bounds, dtype=np.int64)
+
+    def add(starts: np.ndarray, ends: np.ndarray) -> None:
+        lengths = ends - starts                        # >= 1: a document holds its eod
+        counts = (lengths - 1) // seq
+        total = int(counts.sum())
+        before = np.concatenate(([0], np.cumsum(counts)))      # windows of the earlier documents
+        doc = np.repeat(np.arange(len(starts)), counts)
+        wins = starts[doc] + (np.arange(total, dtype=np.int64) - before[doc]) * seq
+        wcut = np.searchsorted(wins, edges, side="left")       # first window of each share
+        cut = np.searchsorted(starts, edges, side="left")      # first document of each share
+        for r in range(dp):
+            if wcut[r + 1] > wcut[r]:
+                parts[r].append(wins[wcut[r]:wcut[r + 1]])
+            a, b = int(cut[r]), int(cut[r + 1])
+            docs[r] += b - a
+            dropped = counts[a:b] == 0
+            short[r] += int(dropped.sum())
+            short_tokens[r] += int(lengths[a:b][dropped].sum())
+
+    start = 0                                          # where the current document began
+    dtype = getattr(tokens, "dtype", None)
+    findable = not (dtype is not None and dtype.kind in "ui" and
+                    not np.iinfo(dtype).min <= eod <= np.iinfo(dtype).max)
+    if findable:
+        for base in range(0, n, SCAN_ELEMS):
+            piece = np.asarray(tokens[base:base + SCAN_ELEMS])
+            ends = np.flatnonzero(piece == eod).astype(np.int64) + (base + 1)
+            if ends.size:
+                add(np.concatenate(([start], ends[:-1])).astype(np.int64), ends)
+                start = int(ends[-1])
+    if start < n:                                      # the last document, without its eod
+        add(np.array([start], dtype=np.int64), np.array([n], dtype=np.int64))
+    tables = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
+    return tables, {"documents": docs, "short": short, "short_tokens": short_tokens}
 
 
 FEISTEL_ROUNDS = 6
@@ -679,38 +801,67 @@ class TokenBatches:
     Sample j of micro-batch mb of a step is replica r's sample g = (step * num_microbatches + mb)
     * micro_batch + j; it goes to one source (`_Blend`), as that source's a-th sample, which is
     window a % N of epoch a // N in that epoch's order (`permute`, keyed by seed, source, replica
-    and epoch; in order when not `shuffle`)."""
+    and epoch; in order when not `shuffle`).
+
+    `packing`: "concat" (windows at stride seq_len over each replica's share, across documents)
+    or "document" (windows inside documents, `_document_windows`), which needs each source's
+    end-of-document id: `eod`, or a fourth item of a source, (tokens, weight, name, eod)."""
 
     def __init__(self, corpus, micro_batch: int, seq_len: int, num_microbatches: int,
-                 dp: int, seed: int = 0, name: str | None = None, *, shuffle: bool = True):
+                 dp: int, seed: int = 0, name: str | None = None, *, shuffle: bool = True,
+                 packing: str = "concat", eod: int | None = None):
         self.mb, self.seq, self.m, self.dp, self.seed = micro_batch, seq_len, num_microbatches, dp, seed
         self.shuffle = shuffle
+        if packing not in PACKINGS:
+            raise H2Error(f"unknown packing {packing!r} (expected one of: "
+                          f"{', '.join(PACKINGS)})")
+        self.packing = packing
         given = corpus if isinstance(corpus, list) else [(corpus, 1.0, name)]
         if not given:
             raise H2Error("no data sources to draw from")
+        given = [tuple(g) if len(g) == 4 else (*g, eod) for g in given]
         total = 0.0
-        for i, (_, w, src_name) in enumerate(given):
+        for i, (_, w, src_name, _) in enumerate(given):
             if not _is_weight(w):
                 raise H2Error(f"data source {i} has weight {w!r}; a weight is a positive finite "
                               "number", src_name)
             total += w
-        self.sources = [self._source(tokens, w / total, src_name or f"source {i}")
-                        for i, (tokens, w, src_name) in enumerate(given)]
+        self.sources = [self._source(tokens, w / total, src_name or f"source {i}", src_eod)
+                        for i, (tokens, w, src_name, src_eod) in enumerate(given)]
         self.corpus = self.sources[0].tokens      # the (first) source's tokens
         self.shards = self.sources[0].shards
         self._blend = _Blend([s.weight for s in self.sources], seed)
         self._keys: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def _source(self, tokens: np.ndarray, weight: float, name: str) -> Source:
+    def _source(self, tokens: np.ndarray, weight: float, name: str, eod: int | None) -> Source:
         n, dp, seq = len(tokens), self.dp, self.seq
         bounds = [r * n // dp for r in range(dp + 1)]
         shards = list(zip(bounds[:-1], bounds[1:]))   # replica r: tokens [lo, hi)
+        if self.packing == "document":
+            _check_eod(eod, name)
+            starts, documents = _document_windows(tokens, eod, seq, bounds)
+            windows = [len(t) for t in starts]
+            for r, (lo, hi) in enumerate(shards):
+                if windows[r]:
+                    continue
+                share = f"replica {r}'s share (tokens {lo}..{hi - 1} of {n})" if dp > 1 else \
+                    f"the data ({n} tokens)"
+                d = documents["documents"][r]
+                held = f" (all {d} starting in it)" if d else ""
+                raise H2Error(f'packing "document": no window of seq_len+1 = {seq + 1} tokens '
+                              f"inside one document starts in {share}: its documents are "
+                              f"shorter than seq_len+1{held}, and a window never spans two "
+                              "documents", name,
+                              hint='use longer documents, a smaller seq_len, fewer replicas, or '
+                                   'packing "concat"')
+            return Source(tokens, weight, name, shards, windows, eod, starts, documents)
         share = min(hi - lo for lo, hi in shards)
         if share < seq + 1:
             per = f" ({share} per replica of {dp})" if dp > 1 else ""
             raise H2Error(f"data has {n} tokens{per}; need more than seq_len = {seq} per replica "
                           f"(a window is seq_len+1 = {seq + 1} tokens)", name)
-        return Source(tokens, weight, name, shards, [(hi - lo - 1) // seq for lo, hi in shards])
+        return Source(tokens, weight, name, shards, [(hi - lo - 1) // seq for lo, hi in shards],
+                      eod)
 
     def _epoch_keys(self, source: int, replica: int, epoch: int) -> np.ndarray:
         """The keys of one epoch's order (kept for the next micro-batches of the same epoch)."""
@@ -743,7 +894,9 @@ class TokenBatches:
             if not rows:
                 continue
             index = np.array([drawn[j][1] for j in rows], dtype=np.int64)
-            starts = src.shards[replica][0] + self._windows(s, replica, index) * self.seq
+            k = self._windows(s, replica, index)
+            starts = src.starts[replica][k] if src.starts is not None else \
+                src.shards[replica][0] + k * self.seq
             window[rows] = src.tokens[starts[:, None] + np.arange(self.seq + 1)[None, :]]
         return window[:, :-1], window[:, 1:]
 
@@ -764,9 +917,18 @@ class TokenBatches:
 
     def describe(self, src: Source) -> str:
         """A source's epochs, for its data line."""
-        n = min(src.windows)
+        n, most = min(src.windows), max(src.windows)
         steps = n / (src.weight * self.m * self.mb)
-        per = f"{self.dp} replica shares of {n}" if self.dp > 1 else f"{n}"
         order = "reshuffled every epoch" if self.shuffle else "read in order"
-        return (f"{per} windows of {self.seq}+1 tokens, {order}; an epoch is "
-                f"{steps:.4g} steps")
+        if src.starts is None:
+            per = f"{self.dp} replica shares of {n}" if self.dp > 1 else f"{n}"
+            return (f"{per} windows of {self.seq}+1 tokens, packing concat (across documents), "
+                    f"{order}; an epoch is {steps:.4g} steps")
+        d = src.documents
+        docs, short, dropped = sum(d["documents"]), sum(d["short"]), sum(d["short_tokens"])
+        span = f"{n}" if n == most else f"{n}..{most}"
+        per = f"{self.dp} replica shares of {span}" if self.dp > 1 else span
+        return (f"packing document (end-of-document id {src.eod}): {docs} documents, "
+                f"{sum(src.windows)} windows; {short} documents ({dropped} tokens) shorter than "
+                f"seq_len+1 = {self.seq + 1} dropped; {per} windows of {self.seq}+1 tokens, "
+                f"each inside one document, {order}; an epoch is {steps:.4g} steps")

@@ -122,14 +122,14 @@ def run_data(build: BuildDir, cfg, out) -> dict:
         raise H2Error("data.path and data.sources are both set: give one (a single path, or a "
                       "blend of sources)")
     mix = prepare_mix(build.manifest, build.path / "data", sources, tokenizer=d.tokenizer,
-                      eod=d.eod_token, shuffle=d.shuffle, out=out)
+                      eod=d.eod_token, shuffle=d.shuffle, out=out, packing=d.packing)
     settings = {"data": mix.to_json(), "eval": None}
     e = cfg.eval
     if e.data:
         emix = prepare_mix(build.manifest, build.path / "data",
                            [{"path": e.data, "format": e.format, "max_bytes": d.max_bytes}],
                            tokenizer=d.tokenizer, eod=d.eod_token, shuffle=False, out=out,
-                           what="eval data")
+                           what="eval data", packing=d.packing)
         settings["eval"] = {"data": emix.to_json(), "every": e.every, "steps": e.steps}
     return settings
 

@@ -28,10 +28,11 @@ class EagerRun:
     eval_losses: list = field(default_factory=list)    # (step, loss)
 
 
-def _batches(build: BuildDir, sources: list[dict], shuffle: bool, tokenizer=None) -> TokenBatches:
+def _batches(build: BuildDir, sources: list[dict], shuffle: bool, data) -> TokenBatches:
+    """The batches h2x draws for these sources under the config's data section `data`."""
     m = build.manifest
-    mix = prepare_mix(m, build.path / "data", sources, tokenizer=tokenizer, shuffle=shuffle,
-                      out=lambda *_: None)
+    mix = prepare_mix(m, build.path / "data", sources, tokenizer=data.tokenizer, shuffle=shuffle,
+                      eod=data.eod_token, packing=data.packing, out=lambda *_: None)
     return open_batches(mix, m["micro_batch"], m["seq_len"], m["num_microbatches"], m["dp"],
                         m["seed"])
 
@@ -71,9 +72,9 @@ def eager_train(build_path: str, steps: int, *, config=None, data: str | None = 
     d = cfg.data
     sources = d.sources or [{"path": data if data is not None else d.path, "format": d.format,
                              "max_bytes": d.max_bytes}]
-    batches = _batches(b, sources, d.shuffle, d.tokenizer)
+    batches = _batches(b, sources, d.shuffle, d)
     held_out = _batches(b, [{"path": cfg.eval.data, "format": cfg.eval.format,
-                             "max_bytes": d.max_bytes}], False, d.tokenizer) \
+                             "max_bytes": d.max_bytes}], False, d) \
         if cfg.eval.data else None
     n = m["dp"] * m["num_microbatches"]
     from frontend.moe import set_aux_loss_scale

@@ -354,6 +354,8 @@ def _bound(v) -> str:
 
 
 def _show(v) -> str:
+    if isinstance(v, int) and v.bit_length() > 1000:
+        return f"a {len(str(abs(v))) if v.bit_length() < 13000 else 'several-thousand'}-digit number"
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -387,15 +389,15 @@ def parse_cli_value(section: str, key: str, text: str, flag: str):
         return text
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:              # TOMLDecodeError, or a number past the digit limit
         where.fail(f"expected {_type_name(f)}, got {_show(text)}")
 
 
 # ---- files and command lines ------------------------------------------------------------------
 
 def _field_line(text: str, section: str, key: str) -> int | None:
-    """The line of `key = ...` under `[section]` in TOML text (best effort)."""
-    cur = None
+    """The line of `key = ...` under `[section]` ("" before any) in TOML text (best effort)."""
+    cur = ""
     for i, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         m = re.fullmatch(r"\[\s*([A-Za-z0-9_.-]+)\s*\]\s*(#.*)?", s)
@@ -412,7 +414,12 @@ def apply_toml(cfg: Config, path: str, only=None) -> Config:
     text = read_user_file(path, "the config file")
     try:
         doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+    except ValueError as e:         # a number past Python's digit limit: no position given
+        if not isinstance(e, tomllib.TOMLDecodeError):
+            line = next((i for i, ln in enumerate(text.splitlines(), 1)
+                         if re.search(r"\d{4000}", ln)), None)
+            raise H2Error("not valid TOML: a number with thousands of digits", path, line) \
+                from None
         m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
         msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
         raise H2Error(f"not valid TOML: {msg}", path, int(m.group(1)) if m else None,

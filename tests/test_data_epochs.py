@@ -266,25 +266,33 @@ def test_data_mix_round_trips_through_json_and_opens_like_the_launcher_checked(t
     assert np.array_equal(one.micro_batch(9, 0, 1)[0], plain.micro_batch(9, 0, 1)[0])
 
 
+def _src(**kw):
+    return {"path": None, "format": "bytes", "max_bytes": 10, "weight": 1, "eod": None, **kw}
+
+
+def _mix(*sources, **kw):
+    return {"sources": list(sources), "shuffle": True, "packing": "concat", **kw}
+
+
 @pytest.mark.parametrize("bad, what", [
-    ({"sources": []}, "keys sources and shuffle"),
-    ({"sources": [], "shuffle": True}, "non-empty list"),
-    ({"sources": [{"path": "a", "format": "bytes", "max_bytes": 10}], "shuffle": True},
+    ({"sources": []}, "keys sources, shuffle and packing"),
+    ({"sources": [_src()], "shuffle": True}, "keys sources, shuffle and packing"),
+    (_mix(), "non-empty list"),
+    (_mix({"path": "a", "format": "bytes", "max_bytes": 10, "eod": None}),
      "source 0 is not an object"),
-    ({"sources": [{"path": 3, "format": "bytes", "max_bytes": 10, "weight": 1}], "shuffle": True},
-     "path 3"),
-    ({"sources": [{"path": None, "format": "text", "max_bytes": 10, "weight": 1}], "shuffle": True},
-     "format 'text'"),
-    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 1.5, "weight": 1}],
-      "shuffle": True}, "max_bytes 1.5"),
-    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": 0}],
-      "shuffle": True}, "weight 0"),
-    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": math.nan}],
-      "shuffle": True}, "weight nan"),
-    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": True}],
-      "shuffle": True}, "weight True"),
-    ({"sources": [{"path": None, "format": "bytes", "max_bytes": 10, "weight": 1}],
-      "shuffle": "yes"}, "shuffle is 'yes'"),
+    (_mix({"path": "a", "format": "bytes", "max_bytes": 10, "weight": 1}),
+     "source 0 is not an object"),
+    (_mix(_src(path=3)), "path 3"),
+    (_mix(_src(format="text")), "format 'text'"),
+    (_mix(_src(max_bytes=1.5)), "max_bytes 1.5"),
+    (_mix(_src(weight=0)), "weight 0"),
+    (_mix(_src(weight=math.nan)), "weight nan"),
+    (_mix(_src(weight=True)), "weight True"),
+    (_mix(_src(eod=-1)), "eod -1"),
+    (_mix(_src(eod=2.0)), "eod 2.0"),
+    (_mix(_src(eod=True)), "eod True"),
+    (_mix(_src(), shuffle="yes"), "shuffle is 'yes'"),
+    (_mix(_src(), packing="docs"), "packing is 'docs'"),
 ])
 def test_a_malformed_data_mix_is_a_located_error(bad, what):
     with pytest.raises(H2Error, match="malformed data mix") as e:
@@ -330,3 +338,249 @@ def test_without_a_path_the_line_says_the_default_corpus_is_used(tmp_path):
     prepare_mix(_manifest(vocab=256), tmp_path, [{"path": None, "max_bytes": 1 << 16}],
                 shuffle=False, out=lines.append, what="eval data")
     assert lines[0].startswith("eval data: the default corpus") and "read in order" in lines[0]
+
+
+# ---- packing "document": no window spans two documents ---------------------------------------
+EOD = 0
+# lengths with their eod: 9 = seq+1 (one window, ending on the eod), 8 = seq and shorter (none)
+DOC_LENGTHS = [20, 5, 9, 8, 33, 17, 1, 12, 9, 40, 3, 26] * 3
+TAIL = 30                                        # the last document, without an eod
+
+
+def _documents(lengths=DOC_LENGTHS, tail=TAIL):
+    """Token i is i + 1, except the eod (0) that ends each document: a window's first id, less
+    one, is where it starts. Also the documents as (start, length)."""
+    ids, docs, at = [], [], 0
+    for length in lengths:
+        ids += [at + i + 1 for i in range(length - 1)] + [EOD]
+        docs.append((at, length))
+        at += length
+    if tail:
+        ids += [at + i + 1 for i in range(tail)]
+        docs.append((at, tail))
+    return np.array(ids), docs
+
+
+def _expected_windows(docs, seq, lo=0, hi=1 << 62):
+    """The window starts in [lo, hi) (a window is the replica's whose share holds its start)."""
+    return {s for start, length in docs for k in range((length - 1) // seq)
+            if lo <= (s := start + k * seq) < hi}
+
+
+def _windows_drawn(data, replica, steps):
+    """(first token, whole window) of every sample of `replica` in steps 0..steps-1."""
+    out = []
+    for step in range(steps):
+        for mb in range(data.m):
+            x, y = data.micro_batch(step, replica, mb)
+            assert np.array_equal(x[:, 1:], y[:, :-1])
+            out += [np.concatenate([x[j], y[j, -1:]]) for j in range(len(x))]
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_document_packing_keeps_every_window_inside_one_document(tmp_path, dp):
+    seq = 8
+    ids, docs = _documents()
+    f = _token_file(tmp_path / "docs.u32", ids)
+    lines = []
+    mix = prepare_mix(_manifest(dp=dp, seq=seq), tmp_path / "c", [{"path": f}], eod=EOD,
+                      packing="document", out=lines.append)
+    assert mix.packing == "document" and mix.sources[0].eod == EOD
+    data = open_batches(mix, 3, seq, 2, dp, 0)
+    src = data.sources[0]
+    every = _expected_windows(docs, seq)
+    assert sum(src.windows) == len(every) == sum((length - 1) // seq for _, length in docs)
+    seen = []
+    for r in range(dp):
+        lo, hi = data.shards[r]
+        mine = _expected_windows(docs, seq, lo, hi)            # windows starting in the share
+        n = src.windows[r]
+        assert n == len(mine) > 0
+        drawn = _windows_drawn(data, r, steps=-(-2 * n // 6))
+        for w in drawn:
+            assert len(w) == seq + 1
+            assert EOD not in w[:-1].tolist()                  # an eod only as the last target
+            assert np.array_equal(w[:-1], ids[w[0] - 1:w[0] - 1 + seq])
+        starts = [int(w[0]) - 1 for w in drawn]
+        one, two = starts[:n], starts[n:2 * n]
+        assert sorted(one) == sorted(two) == sorted(mine)      # each window once per epoch
+        assert len(set(one)) == n and one != two               # reshuffled
+        seen.append(set(one))
+    assert set().union(*seen) == every
+    if dp == 2:
+        assert not seen[0] & seen[1]                           # replicas disjoint
+    # documents shorter than seq+1 give nothing; one of exactly seq+1 gives one window ending on
+    # its eod
+    for start, length in docs:
+        inside = {s for s in every if start <= s < start + length}
+        assert len(inside) == (length - 1) // seq
+        if length < seq + 1:
+            assert not inside
+    ends_on_eod = [s for s in every if ids[s + seq] == EOD]
+    assert ends_on_eod and all(ids[s + seq - 1] != EOD for s in every)
+    # the data line says the packing, documents, windows and what was dropped
+    short = [length for _, length in docs if length < seq + 1]
+    line = lines[-1]
+    assert f"packing document (end-of-document id {EOD})" in line, line
+    assert f"{len(docs)} documents, {len(every)} windows" in line, line
+    assert f"{len(short)} documents ({sum(short)} tokens) shorter than seq_len+1 = 9" in line, line
+
+
+def test_the_document_scan_reads_pieces_and_handles_their_edges(monkeypatch):
+    """Any piece size gives the same windows (documents across pieces, an eod at a piece's end),
+    and the scan reads at most SCAN_ELEMS ids at a time."""
+    import executor.data as data_mod
+    ids, docs = _documents()
+
+    class Recording:                  # a stand-in memory map that records what is read
+        dtype = ids.dtype
+        largest = 0
+
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, idx):
+            if isinstance(idx, slice):
+                Recording.largest = max(Recording.largest, len(range(*idx.indices(len(ids)))))
+            return ids[idx]
+
+    want = TokenBatches(ids, 1, 8, 1, 2, packing="document", eod=EOD).sources[0].starts
+    for piece in (1, 7, 20, 29, 64):
+        monkeypatch.setattr(data_mod, "SCAN_ELEMS", piece)
+        Recording.largest = 0
+        got = TokenBatches(Recording(), 1, 8, 1, 2, packing="document", eod=EOD).sources[0]
+        assert Recording.largest <= piece
+        assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(got.starts, want))
+    # an eod that the token type cannot hold: one document, the whole file
+    u16 = np.arange(1, 100, dtype="<u2")
+    one = TokenBatches(u16, 1, 8, 1, 1, packing="document", eod=1 << 17).sources[0]
+    assert one.documents["documents"] == [1] and one.starts[0].tolist() == list(range(0, 90, 8))
+
+
+def test_document_packing_resumes_exactly():
+    ids, _ = _documents()
+    srcs = [(ids, 0.6, "docs", EOD), (100_000 + np.arange(500), 0.4, "plain", 7)]
+    run = TokenBatches(srcs, 3, 8, 2, 2, seed=5, packing="document")
+    windows = run.sources[0].windows
+    first = [run.global_batch(s) for s in range(12)]            # past an epoch of either replica
+    assert 12 * 6 * 0.6 > max(windows)
+    fresh = TokenBatches(srcs, 3, 8, 2, 2, seed=5, packing="document")
+    for s in range(6, 12):
+        for (x, y), (x2, y2) in zip(first[s], fresh.global_batch(s)):
+            assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    pos = fresh.position(12)["replicas"]
+    assert [p["sources"][0]["windows"] for p in pos] == windows
+    assert all(p["sources"][0]["epoch"] >= 1 for p in pos)
+
+
+def test_document_packing_round_trips_through_json(tmp_path):
+    ids, _ = _documents()
+    f = _token_file(tmp_path / "docs.u32", ids)
+    g = _token_file(tmp_path / "more.u32", 50_000 + np.arange(400))
+    mix = prepare_mix(_manifest(dp=2), tmp_path / "c", [{"path": f, "weight": 3}, {"path": g}],
+                      eod=EOD, packing="document", out=_quiet)
+    assert mix == DataMix((MixSource(f, "tokens-u32", 4 << 20, 3.0, EOD),
+                           MixSource(g, "tokens-u32", 4 << 20, 1.0, EOD)), True, "document")
+    as_json = mix.to_json()
+    assert as_json["packing"] == "document" and [s["eod"] for s in as_json["sources"]] == [0, 0]
+    back = DataMix.from_json(json.loads(json.dumps(as_json)))
+    assert back == mix
+    a, b = open_batches(back, 3, 8, 2, 2, 0), open_batches(mix, 3, 8, 2, 2, 0)
+    for step in (0, 7):
+        for p, q in zip(a.global_batch(step), b.global_batch(step)):
+            assert np.array_equal(p[0], q[0]) and np.array_equal(p[1], q[1])
+    # the same sources packed "concat" draw windows across documents: other batches
+    concat = DataMix(mix.sources, True, "concat")
+    assert DataMix.from_json(concat.to_json()) == concat
+    c = open_batches(concat, 3, 8, 2, 2, 0)
+    assert not all(np.array_equal(p[0], q[0]) for p, q in zip(c.global_batch(0), a.global_batch(0)))
+
+
+def test_document_packing_without_an_eod_id_is_an_error(tmp_path, eos_tok, two_docs):
+    ids, _ = _documents()
+    f = _token_file(tmp_path / "docs.u32", ids)
+    with pytest.raises(H2Error, match='packing "document" needs an end-of-document id') as e:
+        prepare_mix(_manifest(), tmp_path / "c", [{"path": f}], packing="document", out=_quiet)
+    assert e.value.file == f and "data.eod_token" in e.value.hint
+    with pytest.raises(H2Error, match="needs an end-of-document id") as e:
+        TokenBatches(ids, 1, 8, 1, 1, name="docs.bin", packing="document")
+    assert e.value.file == "docs.bin"
+    with pytest.raises(H2Error, match="needs an end-of-document id") as e:
+        open_batches(DataMix((MixSource(f, "tokens-u32"),), True, "document"), 1, 8, 1, 1, 0)
+    assert e.value.file == f
+    with pytest.raises(H2Error, match="outside the model's vocabulary"):
+        prepare_mix(_manifest(vocab=300), tmp_path / "c", [{"path": f}], eod=300,
+                    packing="document", out=_quiet)
+    with pytest.raises(H2Error, match="unknown packing 'docs'"):
+        prepare_mix(_manifest(), tmp_path / "c", [{"path": f}], eod=EOD, packing="docs",
+                    out=_quiet)
+    # text: the tokenizer's own eod id serves; none asked for (-1) is the error, at the text
+    mix = prepare_mix(_manifest(vocab=300, seq=4), tmp_path / "c",
+                      [{"path": str(two_docs), "format": "text"}], tokenizer=str(eos_tok),
+                      packing="document", out=_quiet)
+    assert mix.sources[0].eod == 0
+    with pytest.raises(H2Error, match="needs an end-of-document id") as e:
+        prepare_mix(_manifest(vocab=300, seq=4), tmp_path / "c",
+                    [{"path": str(two_docs), "format": "text"}], tokenizer=str(eos_tok), eod=-1,
+                    packing="document", out=_quiet)
+    assert e.value.file == str(two_docs)
+
+
+def test_text_documents_are_the_files(tmp_path, eos_tok, two_docs):
+    """Each tokenized file is one document: no window holds the eod between them but last."""
+    mix = prepare_mix(_manifest(vocab=300, seq=4, dp=2), tmp_path / "c",
+                      [{"path": str(two_docs), "format": "text"}], tokenizer=str(eos_tok),
+                      packing="document", out=_quiet)
+    data = open_batches(mix, 3, 4, 2, 2, 0)
+    tokens = np.asarray(data.sources[0].tokens)
+    ends = np.flatnonzero(tokens == 0)
+    assert len(ends) == 2 and ends[-1] == len(tokens) - 1          # two files, two documents
+    assert data.sources[0].documents["documents"] == [2, 0]        # both start in share 0
+    assert min(data.sources[0].windows) > 0                        # the second spans both
+    for r in range(2):
+        for w in _windows_drawn(data, r, steps=20):
+            assert 0 not in w[:-1].tolist()
+
+
+def test_documents_shorter_than_a_window_leave_a_share_empty():
+    ids, _ = _documents([5, 9, 3, 8] * 4, tail=0)               # none holds seq+1 = 9 ... but one
+    TokenBatches(ids, 1, 8, 1, 1, packing="document", eod=EOD)   # 9: one window each
+    short, _ = _documents([5, 8, 3, 8] * 4, tail=0)
+    with pytest.raises(H2Error, match="documents are shorter than seq_len\\+1") as e:
+        TokenBatches(short, 1, 8, 1, 1, name="short.bin", packing="document", eod=EOD)
+    assert e.value.file == "short.bin" and "(all 16 starting in it)" in e.value.message
+    # replica 1's share holds only short documents
+    mixed, _ = _documents([40, 5, 5, 5, 5, 5, 5, 5, 3], tail=0)
+    with pytest.raises(H2Error, match="no window .* starts in replica 1's share \\(tokens 39..77"):
+        TokenBatches(mixed, 1, 8, 1, 2, packing="document", eod=EOD)
+    # one long document: its windows split between the replicas by where they start
+    one, _ = _documents([200], tail=0)
+    data = TokenBatches(one, 1, 8, 1, 2, packing="document", eod=EOD)
+    src = data.sources[0]
+    assert src.windows == [13, 11] and sum(src.windows) == 199 // 8
+    assert src.documents["documents"] == [1, 0]
+    assert src.starts[0].tolist() == list(range(0, 100, 8))
+    assert src.starts[1].tolist() == list(range(104, 200 - 9 + 1, 8))        # the last: 184
+
+
+def test_concat_packing_is_unchanged_by_an_eod_id(tmp_path):
+    """Packing concat (the default) reads windows at stride seq_len over the share, across
+    documents, with or without an eod id known."""
+    ids, _ = _documents()
+    f = _token_file(tmp_path / "docs.u32", ids)
+    lines = []
+    plain = prepare_mix(_manifest(dp=2), tmp_path / "c", [{"path": f}], out=lines.append)
+    with_eod = prepare_mix(_manifest(dp=2), tmp_path / "c", [{"path": f}], eod=EOD, out=_quiet)
+    assert plain.packing == with_eod.packing == "concat" and plain.sources[0].eod is None
+    assert "packing concat" in lines[-1]
+    a, b = open_batches(plain, 3, 8, 2, 2, 0), open_batches(with_eod, 3, 8, 2, 2, 0)
+    assert a.sources[0].starts is None
+    spans = False
+    for r in range(2):
+        lo, hi = a.shards[r]
+        assert a.sources[0].windows[r] == (hi - lo - 1) // 8
+        for wa, wb in zip(_windows_drawn(a, r, 10), _windows_drawn(b, r, 10)):
+            assert np.array_equal(wa, wb)
+            spans |= EOD in wa[:-1].tolist()
+    assert spans                                                   # across documents
