@@ -2,6 +2,7 @@
 
     h2x run BUILD/      train: one process per worker interprets its instruction stream
     h2x bench-comm      DiComm latency and bandwidth per transport, memcpy beside them
+    h2x export BUILD/   a checkpoint's weights as one model (a transformers directory)
 
 Errors in the user's input print as `file:line:col: error: ...` and exit with code 2.
 """
@@ -19,6 +20,7 @@ MAX_DATA_BYTES = 1 << 40        # of text; one file is memory-mapped, a director
 SUBCOMMANDS = {
     "run": "executor.cli:run_main",
     "bench-comm": "executor.dicomm.bench:bench_main",
+    "export": "executor.export:main",
 }
 
 

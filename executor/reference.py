@@ -26,6 +26,7 @@ class EagerRun:
     grad_norms: list = field(default_factory=list)     # before clipping, as h2x logs it
     lrs: list = field(default_factory=list)
     eval_losses: list = field(default_factory=list)    # (step, loss)
+    model: object = None                               # the trained module
 
 
 def _batches(build: BuildDir, sources: list[dict], shuffle: bool, data) -> TokenBatches:
@@ -55,6 +56,9 @@ def eager_train(build_path: str, steps: int, *, config=None, data: str | None = 
     model = mf.build({**m["model"]["args"], **(model_args or {})})
     if prepare is not None:
         prepare(model)
+    if cfg.init.from_:                   # the build's pretrained start (frontend/pretrained.py)
+        from frontend.pretrained import load_pretrained
+        load_pretrained(model, cfg.init.from_)
     loss_fn = mf.loss_fn()
     o, tr = cfg.optimizer, cfg.training
     opt_d = {"no_decay_1d": o.no_decay_1d, "no_decay": o.no_decay}
@@ -106,6 +110,7 @@ def eager_train(build_path: str, steps: int, *, config=None, data: str | None = 
                 ls = [loss_fn(model(torch.from_numpy(x), *fixed), torch.from_numpy(y)).item()
                       for k in range(cfg.eval.steps) for x, y in held_out.global_batch(k)]
             run.eval_losses.append((step + 1, sum(ls) / len(ls)))
+    run.model = model
     return run
 
 

@@ -538,7 +538,8 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         if p.moe:
             m["moe"] = p.moe
     if not dry_run:
-        _write_weights(cap, progs, model_path, model_args, seed, out)
+        _write_weights(cap, progs, model_path, model_args, seed, out,
+                       config.init.from_ if config is not None else None, log)
     streams, workers = _write_streams(out, plan, costs, stages_meta, cluster, cal)
     sim = simulate_build(costs, plan, cluster, cal, streams,
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
@@ -597,9 +598,11 @@ def _write_calibration(cal, out: Path) -> None:
     (out / BUILD_CALIBRATION).write_text(json.dumps(d, indent=1))
 
 
-def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
+def _write_weights(cap, progs, model_path, model_args, seed, out: Path, init_from=None,
+                   log=print):
     """Initial weights: the model built for real on the CPU with `seed` (the same init an eager
-    run with that seed gets), split per stage."""
+    run with that seed gets), or read from `init_from` (frontend/pretrained.py), split per
+    stage."""
     import numpy as np
     import torch
     from safetensors.numpy import save_file
@@ -607,6 +610,9 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path):
     from frontend import moe
     torch.manual_seed(seed)
     model = cap.model_file.build(model_args)
+    if init_from:
+        from frontend.pretrained import load_pretrained
+        log(load_pretrained(model, init_from))
     params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
     buffers = cap.constants(model, {k for p in progs for k in p.consts
                                     if not k.endswith((".h2_placement", ".h2_slot"))})

@@ -54,6 +54,14 @@ class Model:
 
 
 @dataclass
+class Init:
+    from_: str = _f(None, "initial weights from a pretrained checkpoint: a transformers "
+                    "directory (config.json + safetensors) for a transformers model file, else "
+                    "a directory with model.safetensors under the model's own names; none: "
+                    "random with training.seed", optional=True, program=True)
+
+
+@dataclass
 class Data:
     path: str = _f(None, "training data: a text file or directory, or a token file "
                    "(.bin/.u16/.u32); none: the Python standard library's sources", optional=True)
@@ -167,7 +175,7 @@ class Run:
 
 
 SECTIONS: dict[str, type] = {
-    "model": Model, "data": Data, "batch": Batch, "plan": Plan, "optimizer": Optimizer,
+    "model": Model, "init": Init, "data": Data, "batch": Batch, "plan": Plan, "optimizer": Optimizer,
     "lr_schedule": LRSchedule, "training": Training, "eval": Eval, "checkpoint": Checkpoint,
     "logging": Logging, "run": Run,
 }
@@ -180,6 +188,7 @@ def _key(f: dataclasses.Field) -> str:
 @dataclass
 class Config:
     model: Model = field(default_factory=Model)
+    init: Init = field(default_factory=Init)
     data: Data = field(default_factory=Data)
     batch: Batch = field(default_factory=Batch)
     plan: Plan = field(default_factory=Plan)

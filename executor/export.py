@@ -1,0 +1,196 @@
+"""`h2x export BUILD -o DIR`: a build's weights (a checkpoint's, or the initial ones) as one
+model another tool loads.
+
+The per-worker tensors are merged back into the model's own parameters: pipeline stages joined,
+TP shards concatenated along their sharded dim in rank order (a TP-replicated parameter from
+rank 0), an EP stage's expert stacks put back in expert order through the placement the
+checkpoint recorded (whatever migration did), a tied parameter once (its owner's). The merged
+parameters are loaded into the model built from the build's model file; for a transformers
+model, its own `save_pretrained` writes the directory (config.json, safetensors with an index
+above the shard size, tied weights once, the checkpoint key format transformers reads back),
+so `AutoModelForCausalLM.from_pretrained(DIR)` loads it. Any other model file gets
+`model.safetensors` under its own parameter names and `h2-export.json` naming the model file.
+The whole model is held in host memory while it is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from executor.build import BuildDir
+from executor.checkpoint import build_fingerprint, resume_point, step_dir, verify, worker_files
+from h2ir.errors import H2Error
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _stage_experts(build: BuildDir, s: int) -> dict[str, str]:
+    """An EP stage's expert-stack parameters -> their experts module's path."""
+    moe = build.manifest["stages"][s].get("moe") or {}
+    return {k: path for path, e in (moe.get("experts") or {}).items() for k in e["params"]}
+
+
+def _initial_placement(build: BuildDir, s: int) -> dict[str, list[int]]:
+    moe = build.manifest["stages"][s].get("moe") or {}
+    return {path: list(e["placement"]) for path, e in (moe.get("experts") or {}).items()}
+
+
+def merged_parameters(build: BuildDir, ckpt: Path | None) -> dict[str, np.ndarray]:
+    """Every parameter of the model, whole, from checkpoint directory `ckpt` (None: the build's
+    initial weights)."""
+    from safetensors.numpy import load_file
+    full: dict[str, np.ndarray] = {}
+    if ckpt is None:
+        for s in range(build.num_stages):
+            full.update(load_file(str(build.stage(s).weights)))
+        return full
+    tp_parts: dict[str, dict[int, np.ndarray]] = {}
+    ep_parts: dict[str, dict[int, np.ndarray]] = {}
+    placements: dict[str, list[int]] = {}
+    ep_of: dict[str, int] = {}
+    sharding: dict[str, dict] = {}
+    for w in build.workers:
+        wid, replica = w["id"], w["replica"]
+        tp_rank, ep = int(w.get("tp_rank", 0)), len(w.get("ep_group") or [wid])
+        tensors_f, meta_f = (ckpt / n for n in worker_files(wid))
+        tensors = load_file(str(tensors_f))
+        meta = msgpack.unpackb(meta_f.read_bytes())
+        chunks = w.get("chunks")
+        for c, s in enumerate(chunks or [w["stage"]]):
+            prefix = f"c{c}." if chunks else ""
+            st = build.stage(s)
+            experts = _stage_experts(build, s)
+            placed = meta.get("moe_placement") or _initial_placement(build, s)
+            sharding.update(st.sig.get("sharding") or {})
+            for k in st.sig["params"]:
+                arr = tensors.get(f"param.{prefix}{k}")
+                if arr is None:
+                    raise H2Error(f"checkpoint file has no tensor param.{prefix}{k}", str(tensors_f))
+                if k in experts:
+                    if replica < ep:            # the first EP group: every expert once
+                        ep_parts.setdefault(k, {})[replica % ep] = arr
+                        placements[k] = [int(e) for e in placed[experts[k]]]
+                        ep_of[k] = ep
+                elif replica == 0 and k in sharding and \
+                        sharding[k].get("dim") is not None and len(w.get("tp_group") or [0]) > 1:
+                    tp_parts.setdefault(k, {})[tp_rank] = arr
+                elif replica == 0 and tp_rank == 0 and k not in full:
+                    full[k] = arr               # a tied copy is equal to its owner's
+    for k, parts in tp_parts.items():
+        full[k] = np.concatenate([parts[r] for r in sorted(parts)], axis=sharding[k]["dim"])
+    for k, parts in ep_parts.items():
+        order, ep = placements[k], ep_of[k]
+        per = len(order) // ep
+        shape = (len(order),) + parts[0].shape[1:]
+        out = np.empty(shape, dtype=parts[0].dtype)
+        for r in range(ep):
+            out[order[r * per:(r + 1) * per]] = parts[r]
+        full[k] = out
+    return full
+
+
+def hf_module(model):
+    """The transformers PreTrainedModel inside an h2 model file's module, and its name prefix
+    ('lm.' for examples/hf/decoders.py), or (None, '')."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None, ""
+    for name, m in model.named_modules():
+        if isinstance(m, PreTrainedModel):
+            return m, (name + "." if name else "")
+    return None, ""
+
+
+def checkpoint_to_export(build: BuildDir, root: Path, step: int | None, out) -> Path | None:
+    """The checkpoint directory to export: step `step`, else the newest sound one; verified."""
+    fp = build_fingerprint(build.path)
+    if step is None:
+        return resume_point(root, fp, len(build.workers), out)[1]
+    d = step_dir(root, step)
+    if not d.is_dir():
+        raise H2Error(f"no checkpoint of step {step}", str(d))
+    try:
+        verify(d, fp, len(build.workers))
+    except H2Error:
+        raise
+    except Exception as e:              # Unusable: a file missing or altered
+        raise H2Error(f"checkpoint of step {step} is not usable: {e}", str(d)) from None
+    return d
+
+
+def export(build_path: str, out_dir: str, *, step: int | None = None, initial: bool = False,
+           checkpoint_dir: str | None = None, dtype: str = "fp32", max_shard_size: str = "5GB",
+           out=print) -> Path:
+    import torch
+
+    from frontend.capture import load_model_file
+    build = BuildDir(build_path)
+    ckpt = None if initial else checkpoint_to_export(
+        build, Path(checkpoint_dir) if checkpoint_dir else build.path / "ckpt", step, out)
+    weights = merged_parameters(build, ckpt)
+    m = build.manifest
+    model = load_model_file(m["model"]["path"]).build(m["model"]["args"])
+    params = dict(model.named_parameters())                 # tied: once, under its first name
+    aliases = dict(model.named_parameters(remove_duplicate=False))
+    missing = []
+    with torch.no_grad():
+        for k, p in params.items():
+            names = [n for n, q in aliases.items() if q is p]      # every name of a tied one
+            src = next((weights[n] for n in names if n in weights), None)
+            if src is None:
+                missing.append(k)
+                continue
+            if tuple(src.shape) != tuple(p.shape):
+                raise H2Error(f"merged tensor {k} has shape {list(src.shape)}, the model's is "
+                              f"{list(p.shape)}", str(ckpt or build.path))
+            p.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+    frozen = [k for k in missing if not params[k].requires_grad]
+    if set(missing) - set(frozen):
+        raise H2Error(f"the build holds no weights for {sorted(set(missing) - set(frozen))[0]}",
+                      str(build.path))
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    tdtype = getattr(torch, DTYPES[dtype])
+    hf, prefix = hf_module(model)
+    where = f"step {ckpt.name.split('_')[-1].lstrip('0') or 0}" if ckpt else "initial weights"
+    if hf is not None:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()       # its own bar: h2x prints one line instead
+        hf.to(tdtype).save_pretrained(str(target), max_shard_size=max_shard_size)
+        out(f"exported {m['model']['name']} ({where}) as a transformers {type(hf).__name__} to "
+            f"{target} ({dtype})")
+    else:
+        from safetensors.torch import save_file
+        sd = {k: p.detach().to(tdtype).contiguous() for k, p in params.items()}
+        save_file(sd, str(target / "model.safetensors"))
+        (target / "h2-export.json").write_text(json.dumps(
+            {"model_file": m["model"]["path"], "args": m["model"]["args"], "dtype": dtype,
+             "from": where}, indent=1))
+        out(f"exported {m['model']['name']} ({where}) to {target}/model.safetensors ({dtype}; "
+            "not a transformers model: its own parameter names)")
+    return target
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="h2x export", description="Write a build's weights (a "
+                                 "checkpoint, by default the newest sound one) as one model: a "
+                                 "transformers directory for a transformers model file.")
+    ap.add_argument("build", help="build directory written by `h2c compile`")
+    ap.add_argument("-o", "--output", required=True, metavar="DIR")
+    ap.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    ap.add_argument("--initial", action="store_true", help="the build's initial weights")
+    ap.add_argument("--checkpoint-dir", metavar="DIR", help="default BUILD/ckpt")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--max-shard-size", default="5GB",
+                    help="safetensors shard size above which an index is written (default 5GB)")
+    a = ap.parse_args(argv)
+    if a.initial and a.step is not None:
+        ap.error("--initial and --step exclude each other")
+    export(a.build, a.output, step=a.step, initial=a.initial, checkpoint_dir=a.checkpoint_dir,
+           dtype=a.dtype, max_shard_size=a.max_shard_size)
+    return 0
