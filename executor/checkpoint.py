@@ -96,40 +96,17 @@ def invalidate(d: Path) -> None:
     _fsync_dir(d)
 
 
-def nonfinite_tensors(worker) -> list[str]:
-    """Names of this worker's parameters and AdamW moments that hold a NaN or an infinity."""
-    be, bad = worker.be, []
-    tables = [("param.", worker.params, worker.param_names),
-              ("exp_avg.", worker.exp_avg, worker.opt_names),
-              ("exp_avg_sq.", worker.exp_avg_sq, worker.opt_names)]
-    for prefix, table, names in tables:
-        bad += [prefix + k for k in names if not np.isfinite(be.to_numpy(table[k])).all()]
-    return bad
-
-
-def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
-    """Write this worker's files of checkpoint `step`; returns {file name: {sha256, size}} for the
-    launcher's COMPLETE record. Weights or optimizer state that are not finite are not saved:
-    an H2Error-free `NonFinite` tells the launcher, which never marks that step complete."""
-    from safetensors.numpy import save_file
-    bad = nonfinite_tensors(worker)
-    if bad:
-        raise NonFinite(bad)
-    root = Path(root)
-    d = step_dir(root, step)
-    if not d.is_dir():
-        d.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(root)
-    invalidate(d)
+def snapshot(worker, step: int) -> tuple[dict, dict]:
+    """(tensors, metadata) of this worker's checkpoint of `step`, copied out of the live tables
+    (the next step's optimizer updates them in place while a background writer saves these)."""
     be = worker.be
     tensors = {}
     for k in worker.param_names:
-        tensors[f"param.{k}"] = np.ascontiguousarray(be.to_numpy(worker.params[k]))
+        tensors[f"param.{k}"] = np.array(be.to_numpy(worker.params[k]), order="C", copy=True)
     for k in worker.opt_names:       # a tied parameter's copy has no optimizer state of its own
-        tensors[f"exp_avg.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg[k]))
-        tensors[f"exp_avg_sq.{k}"] = np.ascontiguousarray(be.to_numpy(worker.exp_avg_sq[k]))
-    st_name, mp_name = worker_files(worker.wid)
-    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)))}
+        tensors[f"exp_avg.{k}"] = np.array(be.to_numpy(worker.exp_avg[k]), order="C", copy=True)
+        tensors[f"exp_avg_sq.{k}"] = np.array(be.to_numpy(worker.exp_avg_sq[k]), order="C",
+                                              copy=True)
     # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position;
     # the per-source sample counts and epochs are recorded beside it for a reader
     meta = {"step": step, "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
@@ -143,8 +120,34 @@ def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
     if moe:                          # expert placement after migrations (executor/experts.py)
         meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
         meta["moe_load_ema"] = {p: [float(x) for x in v] for p, v in moe.load_ema.items()}
+    return tensors, meta
+
+
+def write_snapshot(root: Path, step: int, wid: int, tensors: dict, meta: dict) -> dict:
+    """Write a worker's snapshot as its files of checkpoint `step`, each durable when this
+    returns; returns {file name: {sha256, size}} for the launcher's COMPLETE record. Weights or
+    optimizer state that are not finite raise `NonFinite` and nothing is written: the launcher
+    never marks that step complete."""
+    from safetensors.numpy import save_file
+    bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
+    if bad:
+        raise NonFinite(bad)
+    root = Path(root)
+    d = step_dir(root, step)
+    if not d.is_dir():
+        d.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(root)
+    invalidate(d)
+    st_name, mp_name = worker_files(wid)
+    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)))}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
+
+
+def save_worker_checkpoint(root: Path, step: int, worker) -> dict:
+    """snapshot + write_snapshot in one call (the worker's own path writes in the background)."""
+    tensors, meta = snapshot(worker, step)
+    return write_snapshot(root, step, worker.wid, tensors, meta)
 
 
 class NonFinite(Exception):
@@ -237,6 +240,22 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
         except ValueError:
             continue
     return sorted(found, reverse=True)
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep_last` (0: none deleted);
+    returns the directories removed. Only directories with COMPLETE count and go: a partial one
+    is left for remove_partial_writes and the next run."""
+    import shutil
+    if keep_last <= 0:
+        return []
+    done = [d for _, d in _steps(Path(root)) if (d / MARKER).is_file()]     # newest first
+    gone = []
+    for d in done[keep_last:]:
+        invalidate(d)                    # never a half-deleted directory under COMPLETE
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
 
 
 def complete_steps(root: Path) -> list[int]:

@@ -3,6 +3,8 @@
     h2x run BUILD/      train: one process per worker interprets its instruction stream
     h2x bench-comm      DiComm latency and bandwidth per transport, memcpy beside them
     h2x export BUILD/   a checkpoint's weights as one model (a transformers directory)
+    h2x reshard A/ B/   a checkpoint of build A laid out for build B (another plan); then
+                        `h2x run B --resume` continues
 
 Errors in the user's input print as `file:line:col: error: ...` and exit with code 2.
 """
@@ -21,6 +23,7 @@ SUBCOMMANDS = {
     "run": "executor.cli:run_main",
     "bench-comm": "executor.dicomm.bench:bench_main",
     "export": "executor.export:main",
+    "reshard": "executor.reshard:main",
 }
 
 

@@ -113,7 +113,8 @@ class Coordinator(threading.Thread):
                                     time.perf_counter(), fingerprint)
                 progress = launcher._Progress(run, self.result, a.steps, start, log_f, out,
                                               launcher.tensorboard_writer(
-                                                  a.job.logging.tensorboard))
+                                                  a.job.logging.tensorboard),
+                                              a.job.checkpoint.keep_last)
                 self._pump(run, progress)
             out(self._links_by_host(progress.links))
             if a.trace:         # every worker published its trace before its `done`

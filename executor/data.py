@@ -38,21 +38,22 @@ theirs already, bytes have none. Packing, per mix:
   is dropped, and so is a document shorter than seq_len+1. It needs the source's eod id (the
   explicit one, `data.eod_token`, else the tokenizer's own for text, else an error).
 
-Sampling, as a trainer reads data: replica r of dp reads only the r-th of dp contiguous, equal
-shares of each source's tokens (replicas never see the same token). A share of n tokens holds
-N = (n-1) // seq_len windows of seq_len+1 tokens at stride seq_len (packing `concat`). With
-packing `document`, replica r reads the windows (inside documents, as above) that *start* in its
-share [lo, hi): every window is exactly one replica's, and a long document's windows spread over
-the replicas its tokens span. A window starting just before hi reads on past it, but only its
-seq_len+1 tokens: like consecutive windows of one replica, two replicas' windows then share at
-most that one boundary token (the last target of one, the first input of the other), never an
-input token. An epoch reads every window once, in an order reshuffled every epoch (or in order,
-for evaluation data). Several sources blend by weight: each sample goes to one source by a
-closed-form count (`_Blend`), and each source runs through its own epochs. Batches are a pure
-function of (seed, step, replica, micro-batch): every worker that needs data (the first stage
-for tokens, the last for targets) draws the same batch without talking to the others, and a
-resumed run draws exactly the samples the uninterrupted run drew (the data position in a
-checkpoint is the step; `TokenBatches.position` spells it out).
+Sampling, as a trainer reads data (Megatron's global sample index): a source of n tokens holds
+N = (n-1) // seq_len windows of seq_len+1 tokens at stride seq_len over all of its tokens
+(packing `concat`), or the windows inside its documents, as above (packing `document`). The
+samples are numbered globally: with B = dp * num_microbatches * micro_batch, row j of micro-batch
+mb of replica r at a step is sample g = step * B + (r * num_microbatches + mb) * micro_batch + j.
+Several sources blend by weight: each sample g goes to one source by a closed-form count
+(`_Blend`), and each source runs through its own epochs: its a-th sample is window a % N of
+epoch a // N, an epoch reading every window once, in an order reshuffled every epoch (or in
+order, for evaluation data). So replicas never draw the same window within an epoch, and the
+samples of a step (in `global_batch` order) depend only on the seed, the step and B, not on how
+B is split into replicas and micro-batches: a checkpoint resumes under another plan with the same
+global batch on exactly the samples the old run would have drawn. Batches are a pure function of
+(seed, step, replica, micro-batch): every worker that needs data (the first stage for tokens, the
+last for targets) draws the same batch without talking to the others, and a resumed run draws
+exactly the samples the uninterrupted run drew (the data position in a checkpoint is the step;
+`TokenBatches.position` spells it out).
 """
 from __future__ import annotations
 
@@ -549,7 +550,7 @@ def _prepare_source(manifest: dict, cache_dir: Path, path: str | None, fmt: str,
 def prepare_data(manifest: dict, cache_dir: Path, path: str | None = None, fmt: str = "auto",
                  tokenizer: str | None = None, max_bytes: int | None = None,
                  out=print, eod: int | None = None, what: str = "data") -> DataSpec:
-    """Check one source against the build (vocabulary, enough tokens per replica), tokenize text
+    """Check one source against the build (vocabulary, at least one window), tokenize text
     into its cache, and say what was chosen; the DataSpec is what the workers open."""
     source = {"path": path, "format": fmt}
     if max_bytes is not None:
@@ -647,42 +648,35 @@ def open_batches(mix: DataMix, micro_batch: int, seq_len: int, num_microbatches:
 # ---- sampling: epochs over windows, blends by weight ----------------------------------------
 @dataclass
 class Source:
-    """One source's tokens, its weight (normalised) and, per replica, its share [lo, hi) of the
-    tokens and the number of windows in that share. Packing `document` adds, per replica, the
-    window-start table (`starts`: window k of the replica begins at token starts[r][k], instead
-    of lo + k * seq_len) and the documents' counts (`documents`, see `_document_windows`)."""
+    """One source's tokens, its weight (normalised) and the number of windows over all of its
+    tokens. Packing `document` adds the window-start table (`starts`: window k begins at token
+    starts[k], instead of k * seq_len) and the documents' counts (`documents`, see
+    `_document_windows`)."""
     tokens: np.ndarray
     weight: float
     name: str
-    shards: list[tuple[int, int]]
-    windows: list[int]
+    windows: int
     eod: int | None = None
-    starts: list[np.ndarray] | None = None
+    starts: np.ndarray | None = None
     documents: dict | None = None
 
 
-def _document_windows(tokens, eod: int, seq: int, bounds: list[int]) \
-        -> tuple[list[np.ndarray], dict]:
-    """Packing `document`: the start offsets of the windows inside the documents of `tokens`, per
-    replica share [bounds[r], bounds[r+1]), and the counts of documents, of those dropped as
-    shorter than seq+1 tokens and of their tokens (each a list per replica, a document counted
-    in the share that holds its first token).
+def _document_windows(tokens, eod: int, seq: int) -> tuple[np.ndarray, dict]:
+    """Packing `document`: the start offsets of the windows inside the documents of `tokens`, in
+    order, and the counts of documents, of those dropped as shorter than seq+1 tokens and of
+    their tokens ({"documents", "short", "short_tokens"}).
 
     A document is a maximal run of tokens ending with (and including) an `eod` id; the last may
     lack it. A document [start, end) of L tokens holds windows [start + k*seq, start + k*seq +
-    seq + 1) for k < (L-1) // seq (its tail of fewer than seq+1 tokens is dropped). A window
-    belongs to the replica whose share holds its first token: every window is exactly one
-    replica's, and a document across a share boundary gives windows to both replicas.
+    seq + 1) for k < (L-1) // seq (its tail of fewer than seq+1 tokens is dropped).
 
     The tokens (a memory map, usually) are scanned SCAN_ELEMS ids at a time, never held whole;
-    what stays is the window-start table, int64: 8 bytes per window (8 / seq bytes per token),
-    for all replicas (a worker's `position` and epochs need every replica's count). While it is
-    built, a piece's windows (those of the documents ending in it) and the final concatenation
-    hold a few times that at most."""
-    n, dp = len(tokens), len(bounds) - 1
-    parts: list[list[np.ndarray]] = [[] for _ in range(dp)]
-    docs, short, short_tokens = [0] * dp, [0] * dp, [0] * dp
-    edges = np.asarray(bounds, dtype=np.int64)
+    what stays is the window-start table, int64: 8 bytes per window (8 / seq bytes per token).
+    While it is built, a piece's windows (those of the documents ending in it) and the final
+    concatenation hold a few times that at most."""
+    n = len(tokens)
+    parts: list[np.ndarray] = []
+    counted = {"documents": 0, "short": 0, "short_tokens": 0}
 
     def add(starts: np.ndarray, ends: np.ndarray) -> None:
         lengths = ends - starts                        # >= 1: a document holds its eod
@@ -690,17 +684,12 @@ def _document_windows(tokens, eod: int, seq: int, bounds: list[int]) \
         total = int(counts.sum())
         before = np.concatenate(([0], np.cumsum(counts)))      # windows of the earlier documents
         doc = np.repeat(np.arange(len(starts)), counts)
-        wins = starts[doc] + (np.arange(total, dtype=np.int64) - before[doc]) * seq
-        wcut = np.searchsorted(wins, edges, side="left")       # first window of each share
-        cut = np.searchsorted(starts, edges, side="left")      # first document of each share
-        for r in range(dp):
-            if wcut[r + 1] > wcut[r]:
-                parts[r].append(wins[wcut[r]:wcut[r + 1]])
-            a, b = int(cut[r]), int(cut[r + 1])
-            docs[r] += b - a
-            dropped = counts[a:b] == 0
-            short[r] += int(dropped.sum())
-            short_tokens[r] += int(lengths[a:b][dropped].sum())
+        if total:
+            parts.append(starts[doc] + (np.arange(total, dtype=np.int64) - before[doc]) * seq)
+        dropped = counts == 0
+        counted["documents"] += len(starts)
+        counted["short"] += int(dropped.sum())
+        counted["short_tokens"] += int(lengths[dropped].sum())
 
     start = 0                                          # where the current document began
     dtype = getattr(tokens, "dtype", None)
@@ -715,8 +704,8 @@ def _document_windows(tokens, eod: int, seq: int, bounds: list[int]) \
                 start = int(ends[-1])
     if start < n:                                      # the last document, without its eod
         add(np.array([start], dtype=np.int64), np.array([n], dtype=np.int64))
-    tables = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
-    return tables, {"documents": docs, "short": short, "short_tokens": short_tokens}
+    table = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    return table, counted
 
 
 FEISTEL_ROUNDS = 6
@@ -756,8 +745,8 @@ def permute(index: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 
 class _Blend:
-    """Which source each sample of a replica goes to, in closed form. Level l splits the samples
-    left after levels 0..l-1 between source l and the rest: of the first n of them, source l gets
+    """Which source each global sample goes to, in closed form. Level l splits the samples left
+    after levels 0..l-1 between source l and the rest: of the first n of them, source l gets
     A_l(n) = (p_l * n + c_l) // Q, with p_l / Q its share of what is left (quantised, exact
     integer arithmetic) and c_l < Q a seeded offset (so a blend does not always start with source
     0). A_l never falls and grows by 0 or 1 per sample, so sample g goes to the first level whose
@@ -798,12 +787,18 @@ class _Blend:
 class TokenBatches:
     """Deterministic (tokens, targets) micro-batches from one token array (an ndarray or a memory
     map: only the drawn windows are read) or a blend of several, [(tokens, weight, name), ...].
-    Sample j of micro-batch mb of a step is replica r's sample g = (step * num_microbatches + mb)
-    * micro_batch + j; it goes to one source (`_Blend`), as that source's a-th sample, which is
-    window a % N of epoch a // N in that epoch's order (`permute`, keyed by seed, source, replica
-    and epoch; in order when not `shuffle`).
 
-    `packing`: "concat" (windows at stride seq_len over each replica's share, across documents)
+    One global sample index, as Megatron's: with B = dp * num_microbatches * micro_batch (the
+    global batch), sample j of micro-batch mb of replica r at `step` is global sample
+    g = step * B + (r * num_microbatches + mb) * micro_batch + j. Sample g goes to one source
+    (`_Blend`, one counter for all replicas), as that source's a-th sample, which is window
+    a % N of epoch a // N in that epoch's order (`permute`, keyed by seed, source and epoch; in
+    order when not `shuffle`), N the windows over all of the source's tokens. So the samples of a
+    step, in `global_batch` order, depend only on (seed, step) and B, never on how B is split into
+    replicas and micro-batches: a checkpoint resumes under another plan with the same global batch
+    on exactly the samples the old plan would have drawn.
+
+    `packing`: "concat" (windows at stride seq_len over the whole source, across documents)
     or "document" (windows inside documents, `_document_windows`), which needs each source's
     end-of-document id: `eod`, or a fourth item of a source, (tokens, weight, name, eod)."""
 
@@ -811,6 +806,7 @@ class TokenBatches:
                  dp: int, seed: int = 0, name: str | None = None, *, shuffle: bool = True,
                  packing: str = "concat", eod: int | None = None):
         self.mb, self.seq, self.m, self.dp, self.seed = micro_batch, seq_len, num_microbatches, dp, seed
+        self.global_samples = dp * num_microbatches * micro_batch     # B: samples a step
         self.shuffle = shuffle
         if packing not in PACKINGS:
             raise H2Error(f"unknown packing {packing!r} (expected one of: "
@@ -829,64 +825,55 @@ class TokenBatches:
         self.sources = [self._source(tokens, w / total, src_name or f"source {i}", src_eod)
                         for i, (tokens, w, src_name, src_eod) in enumerate(given)]
         self.corpus = self.sources[0].tokens      # the (first) source's tokens
-        self.shards = self.sources[0].shards
         self._blend = _Blend([s.weight for s in self.sources], seed)
-        self._keys: dict[tuple[int, int, int], np.ndarray] = {}
+        self._keys: dict[tuple[int, int], np.ndarray] = {}
 
     def _source(self, tokens: np.ndarray, weight: float, name: str, eod: int | None) -> Source:
-        n, dp, seq = len(tokens), self.dp, self.seq
-        bounds = [r * n // dp for r in range(dp + 1)]
-        shards = list(zip(bounds[:-1], bounds[1:]))   # replica r: tokens [lo, hi)
+        n, seq = len(tokens), self.seq
         if self.packing == "document":
             _check_eod(eod, name)
-            starts, documents = _document_windows(tokens, eod, seq, bounds)
-            windows = [len(t) for t in starts]
-            for r, (lo, hi) in enumerate(shards):
-                if windows[r]:
-                    continue
-                share = f"replica {r}'s share (tokens {lo}..{hi - 1} of {n})" if dp > 1 else \
-                    f"the data ({n} tokens)"
-                d = documents["documents"][r]
-                held = f" (all {d} starting in it)" if d else ""
+            starts, documents = _document_windows(tokens, eod, seq)
+            if not len(starts):
+                d = documents["documents"]
                 raise H2Error(f'packing "document": no window of seq_len+1 = {seq + 1} tokens '
-                              f"inside one document starts in {share}: its documents are "
-                              f"shorter than seq_len+1{held}, and a window never spans two "
-                              "documents", name,
-                              hint='use longer documents, a smaller seq_len, fewer replicas, or '
-                                   'packing "concat"')
-            return Source(tokens, weight, name, shards, windows, eod, starts, documents)
-        share = min(hi - lo for lo, hi in shards)
-        if share < seq + 1:
-            per = f" ({share} per replica of {dp})" if dp > 1 else ""
-            raise H2Error(f"data has {n} tokens{per}; need more than seq_len = {seq} per replica "
-                          f"(a window is seq_len+1 = {seq + 1} tokens)", name)
-        return Source(tokens, weight, name, shards, [(hi - lo - 1) // seq for lo, hi in shards],
-                      eod)
+                              f"fits inside one document of the data ({n} tokens): its "
+                              f"documents are shorter than seq_len+1 (all {d} of them), and a "
+                              "window never spans two documents", name,
+                              hint='use longer documents, a smaller seq_len, or packing "concat"')
+            return Source(tokens, weight, name, len(starts), eod, starts, documents)
+        if n < seq + 1:
+            raise H2Error(f"data has {n} tokens; need more than seq_len = {seq} (a window is "
+                          f"seq_len+1 = {seq + 1} tokens)", name)
+        return Source(tokens, weight, name, (n - 1) // seq, eod)
 
-    def _epoch_keys(self, source: int, replica: int, epoch: int) -> np.ndarray:
+    def _epoch_keys(self, source: int, epoch: int) -> np.ndarray:
         """The keys of one epoch's order (kept for the next micro-batches of the same epoch)."""
-        k = (source, replica, epoch)
+        k = (source, epoch)
         if k not in self._keys:
             if len(self._keys) >= 64:
                 self._keys.clear()
-            self._keys[k] = np.random.SeedSequence([self.seed, source, replica, epoch]) \
+            self._keys[k] = np.random.SeedSequence([self.seed, source, epoch]) \
                 .generate_state(FEISTEL_ROUNDS, np.uint64)
         return self._keys[k]
 
-    def _windows(self, source: int, replica: int, index: np.ndarray) -> np.ndarray:
-        """The window (0..N-1 in the replica's share) of each of the source's samples `index`."""
-        n = self.sources[source].windows[replica]
+    def _windows(self, source: int, index: np.ndarray) -> np.ndarray:
+        """The window (0..N-1 over the whole source) of each of the source's samples `index`."""
+        n = self.sources[source].windows
         epoch, pos = index // n, index % n
         if not self.shuffle:
             return pos
         out = np.empty_like(pos)
         for e in np.unique(epoch):
             at = epoch == e
-            out[at] = permute(pos[at], n, self._epoch_keys(source, replica, int(e)))
+            out[at] = permute(pos[at], n, self._epoch_keys(source, int(e)))
         return out
 
+    def first_sample(self, step: int, replica: int, mb: int) -> int:
+        """The global sample index of row 0 of micro-batch `mb` of `replica` at `step`."""
+        return step * self.global_samples + (replica * self.m + mb) * self.mb
+
     def micro_batch(self, step: int, replica: int, mb: int) -> tuple[np.ndarray, np.ndarray]:
-        first = (step * self.m + mb) * self.mb
+        first = self.first_sample(step, replica, mb)
         drawn = [self._blend.source_of(first + j) for j in range(self.mb)]
         window = np.empty((self.mb, self.seq + 1), dtype=np.int64)
         for s, src in enumerate(self.sources):
@@ -894,41 +881,38 @@ class TokenBatches:
             if not rows:
                 continue
             index = np.array([drawn[j][1] for j in rows], dtype=np.int64)
-            k = self._windows(s, replica, index)
-            starts = src.starts[replica][k] if src.starts is not None else \
-                src.shards[replica][0] + k * self.seq
+            k = self._windows(s, index)
+            starts = src.starts[k] if src.starts is not None else k * self.seq
             window[rows] = src.tokens[starts[:, None] + np.arange(self.seq + 1)[None, :]]
         return window[:, :-1], window[:, 1:]
 
     def global_batch(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """All micro-batches of a step in the order the pipeline consumes them."""
+        """All micro-batches of a step in the order the pipeline consumes them: replica by
+        replica, micro-batch by micro-batch, which is global sample order."""
         return [self.micro_batch(step, r, i) for r in range(self.dp) for i in range(self.m)]
 
     def position(self, step: int) -> dict:
-        """The data position at the start of `step` (for checkpoints and logs): per replica and
-        source, the samples drawn so far, the epoch and the index within it."""
-        samples = step * self.m * self.mb
-        return {"step": step, "samples": samples, "shuffle": self.shuffle,
-                "replicas": [{"replica": r, "sources": [
+        """The data position at the start of `step` (for checkpoints and logs): the global samples
+        drawn so far and, per source, its samples, the epoch and the index within it. The same for
+        every layout of the same global batch."""
+        samples = step * self.global_samples
+        return {"step": step, "samples": samples, "global_batch": self.global_samples,
+                "shuffle": self.shuffle, "sources": [
                     {"name": src.name, "samples": (a := self._blend.count(s, samples)),
-                     "epoch": a // src.windows[r], "index": a % src.windows[r],
-                     "windows": src.windows[r]}
-                    for s, src in enumerate(self.sources)]} for r in range(self.dp)]}
+                     "epoch": a // src.windows, "index": a % src.windows,
+                     "windows": src.windows}
+                    for s, src in enumerate(self.sources)]}
 
     def describe(self, src: Source) -> str:
         """A source's epochs, for its data line."""
-        n, most = min(src.windows), max(src.windows)
-        steps = n / (src.weight * self.m * self.mb)
+        n = src.windows
+        steps = n / (src.weight * self.global_samples)
         order = "reshuffled every epoch" if self.shuffle else "read in order"
         if src.starts is None:
-            per = f"{self.dp} replica shares of {n}" if self.dp > 1 else f"{n}"
-            return (f"{per} windows of {self.seq}+1 tokens, packing concat (across documents), "
+            return (f"{n} windows of {self.seq}+1 tokens, packing concat (across documents), "
                     f"{order}; an epoch is {steps:.4g} steps")
         d = src.documents
-        docs, short, dropped = sum(d["documents"]), sum(d["short"]), sum(d["short_tokens"])
-        span = f"{n}" if n == most else f"{n}..{most}"
-        per = f"{self.dp} replica shares of {span}" if self.dp > 1 else span
-        return (f"packing document (end-of-document id {src.eod}): {docs} documents, "
-                f"{sum(src.windows)} windows; {short} documents ({dropped} tokens) shorter than "
-                f"seq_len+1 = {self.seq + 1} dropped; {per} windows of {self.seq}+1 tokens, "
-                f"each inside one document, {order}; an epoch is {steps:.4g} steps")
+        return (f"packing document (end-of-document id {src.eod}): {d['documents']} documents, "
+                f"{n} windows; {d['short']} documents ({d['short_tokens']} tokens) shorter than "
+                f"seq_len+1 = {self.seq + 1} dropped; windows of {self.seq}+1 tokens, each inside "
+                f"one document, {order}; an epoch is {steps:.4g} steps")

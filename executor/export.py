@@ -43,13 +43,23 @@ def merged_parameters(build: BuildDir, ckpt: Path | None) -> dict[str, np.ndarra
     """Every parameter of the model, whole, from checkpoint directory `ckpt` (None: the build's
     initial weights)."""
     from safetensors.numpy import load_file
-    full: dict[str, np.ndarray] = {}
     if ckpt is None:
+        full: dict[str, np.ndarray] = {}
         for s in range(build.num_stages):
             full.update(load_file(str(build.stage(s).weights)))
         return full
-    tp_parts: dict[str, dict[int, np.ndarray]] = {}
-    ep_parts: dict[str, dict[int, np.ndarray]] = {}
+    return merged_tensors(build, ckpt, ("param.",))["param."]
+
+
+def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", "exp_avg_sq."))\
+        -> dict[str, dict[str, np.ndarray]]:
+    """{prefix: {name: whole tensor}} of a checkpoint's parameters ("param.") and AdamW moments
+    ("exp_avg.", "exp_avg_sq."; a tied parameter's only under its owner's name)."""
+    from safetensors.numpy import load_file
+    out: dict[str, dict] = {}
+    for prefix in prefixes:
+        out[prefix] = {}
+    parts: dict[tuple, dict[int, np.ndarray]] = {}      # (prefix, name, "tp"|"ep") -> rank -> shard
     placements: dict[str, list[int]] = {}
     ep_of: dict[str, int] = {}
     sharding: dict[str, dict] = {}
@@ -61,36 +71,41 @@ def merged_parameters(build: BuildDir, ckpt: Path | None) -> dict[str, np.ndarra
         meta = msgpack.unpackb(meta_f.read_bytes())
         chunks = w.get("chunks")
         for c, s in enumerate(chunks or [w["stage"]]):
-            prefix = f"c{c}." if chunks else ""
+            chunk = f"c{c}." if chunks else ""
             st = build.stage(s)
             experts = _stage_experts(build, s)
             placed = meta.get("moe_placement") or _initial_placement(build, s)
             sharding.update(st.sig.get("sharding") or {})
-            for k in st.sig["params"]:
-                arr = tensors.get(f"param.{prefix}{k}")
-                if arr is None:
-                    raise H2Error(f"checkpoint file has no tensor param.{prefix}{k}", str(tensors_f))
-                if k in experts:
-                    if replica < ep:            # the first EP group: every expert once
-                        ep_parts.setdefault(k, {})[replica % ep] = arr
-                        placements[k] = [int(e) for e in placed[experts[k]]]
-                        ep_of[k] = ep
-                elif replica == 0 and k in sharding and \
-                        sharding[k].get("dim") is not None and len(w.get("tp_group") or [0]) > 1:
-                    tp_parts.setdefault(k, {})[tp_rank] = arr
-                elif replica == 0 and tp_rank == 0 and k not in full:
-                    full[k] = arr               # a tied copy is equal to its owner's
-    for k, parts in tp_parts.items():
-        full[k] = np.concatenate([parts[r] for r in sorted(parts)], axis=sharding[k]["dim"])
-    for k, parts in ep_parts.items():
+            tp = len(w.get("tp_group") or [0])
+            for prefix in prefixes:
+                for k in st.sig["params"]:
+                    arr = tensors.get(f"{prefix}{chunk}{k}")
+                    if arr is None:
+                        if prefix == "param.":
+                            raise H2Error(f"checkpoint file has no tensor param.{chunk}{k}",
+                                          str(tensors_f))
+                        continue                # a tied copy has no moments of its own
+                    if k in experts:
+                        if replica < ep:        # the first EP group: every expert once
+                            parts.setdefault((prefix, k, "ep"), {})[replica % ep] = arr
+                            placements[k] = [int(e) for e in placed[experts[k]]]
+                            ep_of[k] = ep
+                    elif replica == 0 and tp > 1 and (sharding.get(k) or {}).get("dim") is not None:
+                        parts.setdefault((prefix, k, "tp"), {})[tp_rank] = arr
+                    elif replica == 0 and tp_rank == 0 and k not in out[prefix]:
+                        out[prefix][k] = arr    # a tied copy is equal to its owner's
+    for (prefix, k, kind), ranks in parts.items():
+        if kind == "tp":
+            out[prefix][k] = np.concatenate([ranks[r] for r in sorted(ranks)],
+                                            axis=sharding[k]["dim"])
+            continue
         order, ep = placements[k], ep_of[k]
         per = len(order) // ep
-        shape = (len(order),) + parts[0].shape[1:]
-        out = np.empty(shape, dtype=parts[0].dtype)
+        whole = np.empty((len(order),) + ranks[0].shape[1:], dtype=ranks[0].dtype)
         for r in range(ep):
-            out[order[r * per:(r + 1) * per]] = parts[r]
-        full[k] = out
-    return full
+            whole[order[r * per:(r + 1) * per]] = ranks[r]
+        out[prefix][k] = whole
+    return out
 
 
 def hf_module(model):

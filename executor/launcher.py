@@ -25,7 +25,7 @@ from backends.calibrate import ensure_calibration
 from backends.registry import measured_backends
 from executor import dicomm
 from executor.build import BuildDir
-from executor.checkpoint import (build_fingerprint, complete_steps, mark_complete,
+from executor.checkpoint import (build_fingerprint, complete_steps, mark_complete, prune,
                                  remove_partial_writes, resume_point)
 from executor.data import prepare_mix
 from executor.rundir import RunLock, run_temp_dir, writable_dir, writable_file
@@ -276,10 +276,11 @@ class _Progress:
     """Turns the workers' events into step lines, the JSON log and complete checkpoints."""
 
     def __init__(self, run: _Run, result: RunResult, steps: int, start: int, log_f, out,
-                 tensorboard=None):
+                 tensorboard=None, keep_last: int = 0):
         self.run, self.result, self.steps, self.start, self.log_f, self.out = \
             run, result, steps, start, log_f, out
         self.tb = tensorboard           # a SummaryWriter (logging.tensorboard), or None
+        self.keep_last = keep_last      # checkpoint.keep_last
         self.W = len(run.build.workers)
         m = run.build.manifest
         self.tokens_per_step = m["global_batch"] * m["seq_len"]
@@ -321,6 +322,7 @@ class _Progress:
             got[w] = ev.get("files", {})
             if len(got) == self.W:      # every worker's files are durable: the step is complete
                 mark_complete(self.run.ckpt_dir, ev["step"], self.run.fingerprint, got)
+                prune(self.run.ckpt_dir, self.keep_last)
                 del self.ckpt_reports[ev["step"]]
         elif kind == "done":
             self.done.add(w)
@@ -568,7 +570,8 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
                                   checkpoint_every=checkpoint_every, timeout=timeout,
                                   device=device, data=data_spec, out=out, ckpt_dir=ckpt_dir,
                                   recipe=recipe)
-            _supervise(run_, _Progress(run_, result, steps, start, log_f, out, tb))
+            _supervise(run_, _Progress(run_, result, steps, start, log_f, out, tb,
+                                       cfg.checkpoint.keep_last))
             if trace:
                 _write_trace(build, run_dir, trace)
     if sim is not None and len(result.step_s) > 1:

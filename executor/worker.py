@@ -34,7 +34,7 @@ from backends.base import comm_ops, run_program
 
 from backends.registry import get_backend
 from executor.build import BuildDir
-from executor.checkpoint import NonFinite, load_worker_checkpoint, save_worker_checkpoint
+from executor.checkpoint import NonFinite, load_worker_checkpoint, snapshot, write_snapshot
 from executor.experts import MoEState, StageComm, migrate_experts, update_loads
 from executor.redistribute import recv_shares, send_shares
 from executor.data import DataMix, TokenBatches, open_batches
@@ -455,18 +455,44 @@ class Worker(StreamInterpreter):
                     self.emit({"event": "eval", "worker": self.wid, "step": step + 1,
                                "loss": loss})
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
-                try:
-                    files = save_worker_checkpoint(ckpt_dir, step + 1, self)   # durable now
-                    self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
-                               "files": files})
-                except NonFinite as e:       # never a COMPLETE checkpoint of NaN weights
-                    self.emit({"event": "checkpoint", "worker": self.wid, "step": step + 1,
-                               "nonfinite": e.names[:8]})
+                self.checkpoint(ckpt_dir, step + 1)
+        self.wait_for_writer()
         self.status[3] = 1
 
     def take_sent_bytes(self) -> dict:
         out, self.sent_bytes = dict(self.sent_bytes), {"act": 0, "grad": 0}
         return out
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, root: Path, step: int) -> None:
+        """Snapshot the weights and AdamW state now (a copy), write them on a background thread
+        while the next steps run; a checkpoint still being written is waited for first. The
+        "checkpoint" event goes out once the files are durable (the launcher then writes
+        COMPLETE when every worker's are); non-finite state is reported, never written."""
+        self.wait_for_writer()
+        tensors, meta = snapshot(self, step)
+
+        def write():
+            try:
+                files = write_snapshot(root, step, self.wid, tensors, meta)
+                self.emit({"event": "checkpoint", "worker": self.wid, "step": step,
+                           "files": files})
+            except NonFinite as e:       # never a COMPLETE checkpoint of NaN weights
+                self.emit({"event": "checkpoint", "worker": self.wid, "step": step,
+                           "nonfinite": e.names[:8]})
+            except BaseException as e:   # noqa: BLE001 - re-raised on the worker's thread
+                self.writer_error = e
+        self.writer_error = None
+        self.writer = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self.writer.start()
+
+    def wait_for_writer(self) -> None:
+        w = getattr(self, "writer", None)
+        if w is not None:
+            w.join()
+            self.writer = None
+            if self.writer_error is not None:
+                raise self.writer_error
 
     # ---- evaluation ----------------------------------------------------------------------------
     EVAL_OPS = ("fwd", "send_act", "recv_act")

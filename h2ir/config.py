@@ -155,6 +155,8 @@ class Checkpoint:
     dir: str = _f(None, "where checkpoints go (none: BUILD/ckpt)", optional=True)
     resume: str = _f("no", "no | yes (the newest sound checkpoint) | auto (if there is one)",
                      choices=("no", "yes", "auto"))
+    keep_last: int = _f(0, "keep the newest this many complete checkpoints, delete older ones "
+                        "(0: keep all)", lo=0, hi=1 << 20)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Training data as users have it: token files (memory-mapped), text through the model's own
-tokenizer (streamed into a token cache), bytes; sharding, determinism, exact resume, vocabulary
-errors, bounded memory; and h2x runs on both formats that resume exactly."""
+tokenizer (streamed into a token cache), bytes; replicas that never share a window, determinism,
+one data order for every layout of the global batch, exact resume, vocabulary errors, bounded
+memory; and h2x runs on both formats that resume exactly."""
 import json
 import shutil
 import tracemalloc
@@ -75,8 +76,8 @@ def test_auto_picks_the_format_by_suffix():
     assert resolve_format("train.bin", "tokens-u32", None) == ("tokens-u32", "--data-format")
 
 
-def test_token_file_is_memory_mapped_sharded_and_deterministic(tmp_path):
-    n = 10_000
+def test_token_file_is_memory_mapped_deterministic_and_replicas_never_share_a_window(tmp_path):
+    n, seq = 10_000, 16
     f = tmp_path / "train.u32"
     np.arange(n, dtype="<u4").tofile(f)       # an id names its own position
     man = _manifest(vocab=n, dp=2)
@@ -84,18 +85,40 @@ def test_token_file_is_memory_mapped_sharded_and_deterministic(tmp_path):
     assert spec == DataSpec(str(f), "tokens-u32", spec.max_bytes)
     a, b = _batches(spec, man), _batches(spec, man)
     assert isinstance(a.corpus, np.memmap)
-    seen = {0: set(), 1: set()}
-    for step in range(20):
+    windows = (n - 1) // seq                  # over the whole file: 624, 8 samples a step
+    assert a.sources[0].windows == windows
+    seen = {0: [], 1: []}
+    for step in range(20):                    # 160 samples: all in epoch 0
         for r in range(2):
             for mb in range(2):
                 x, y = a.micro_batch(step, r, mb)
                 x2, y2 = b.micro_batch(step, r, mb)
                 assert np.array_equal(x, x2) and np.array_equal(y, y2)    # a pure function
                 assert np.array_equal(x[:, 1:], y[:, :-1])                # targets: next token
-                assert x.dtype == np.int64 and x.shape == (2, 16)
-                seen[r] |= set(np.concatenate([x.ravel(), y.ravel()]).tolist())
-    assert max(seen[0]) < n // 2 <= min(seen[1])        # replica r reads only its own half
-    assert not seen[0] & seen[1]
+                assert x.dtype == np.int64 and x.shape == (2, seq)
+                assert np.all(x[:, 0] % seq == 0)                         # windows at stride seq
+                assert np.array_equal(x, x[:, :1] + np.arange(seq))       # contiguous tokens
+                seen[r] += (x[:, 0] // seq).tolist()
+    both = seen[0] + seen[1]
+    assert len(set(both)) == len(both) == 160                 # no window twice within the epoch
+    assert not set(seen[0]) & set(seen[1])                    # replicas never share one
+    # no replica shares of the file: each replica draws from all of it
+    assert all(min(seen[r]) < windows // 2 <= max(seen[r]) for r in range(2))
+
+
+def test_every_layout_of_the_global_batch_draws_the_same_samples(tmp_path):
+    """dp 2 x 2 micro-batches of 2, dp 1 x 4 of 2, dp 4 x 1 of 2, dp 2 x 4 of 1: the same rows in
+    the same global order each step, so a checkpoint resumes under another plan exactly."""
+    n = 2_000                                 # 124 windows: epoch 1 starts in step 15
+    f = tmp_path / "train.u32"
+    np.arange(n, dtype="<u4").tofile(f)
+    spec = prepare_data(_manifest(vocab=n), tmp_path / "cache", str(f), out=_quiet)
+    layouts = [_batches(spec, _manifest(vocab=n, dp=dp, m=m, mb=mb))
+               for dp, m, mb in ((2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1))]
+    for step in (0, 3, 15, 16):
+        rows = [np.concatenate([x for x, _ in data.global_batch(step)]) for data in layouts]
+        assert all(np.array_equal(r, rows[0]) for r in rows[1:]), step
+        assert all(data.position(step) == layouts[0].position(step) for data in layouts)
 
 
 def test_uint16_bin_and_a_size_that_is_not_whole_ids(tmp_path):
@@ -168,7 +191,7 @@ def test_pieces_never_split_a_character(tmp_path):
     assert all(f.read_bytes()[pos:].startswith(p.encode()) for _, pos, p in pieces)
 
 
-def test_text_with_tokenizer_is_cached_sharded_and_resumes_exactly(tmp_path, text_path, tok_path):
+def test_text_with_tokenizer_is_cached_and_resumes_exactly(tmp_path, text_path, tok_path):
     man = _manifest(vocab=320, dp=2)
     cache_dir = tmp_path / "data"
     lines = []
@@ -191,9 +214,11 @@ def test_text_with_tokenizer_is_cached_sharded_and_resumes_exactly(tmp_path, tex
     shutil.rmtree(cache_dir)
     spec3 = prepare_data(man, cache_dir, str(text_path), tokenizer=str(tok_path), out=_quiet)
     assert spec3 == spec and (cache_dir / spec.path.rsplit("/", 1)[1]).read_bytes() == before
-    # replicas draw from disjoint halves of the token stream
-    half = len(full.corpus) // 2
-    assert full.shards == [(0, half), (half, len(full.corpus))]
+    # the same text under another layout of the global batch: the same rows in the same order
+    other = _batches(spec, _manifest(vocab=320, dp=1, m=4))
+    for s in (0, 7):
+        want = np.concatenate([x for x, _ in uninterrupted[s]])
+        assert np.array_equal(np.concatenate([x for x, _ in other.global_batch(s)]), want)
 
 
 def test_text_needs_a_tokenizer_and_tokens_refuse_one(tmp_path, text_path, tok_path):
@@ -208,8 +233,9 @@ def test_text_needs_a_tokenizer_and_tokens_refuse_one(tmp_path, text_path, tok_p
     with pytest.raises(H2Error, match="tokenizer.json") as e:
         prepare_data(_manifest(), tmp_path, str(text_path), tokenizer=str(bad), out=_quiet)
     assert e.value.file == str(bad)
-    with pytest.raises(H2Error, match="need more than seq_len"):
-        prepare_data(_manifest(seq=60, dp=2), tmp_path, str(f), out=_quiet)
+    with pytest.raises(H2Error, match="data has 100 tokens; need more than seq_len = 100") as e:
+        prepare_data(_manifest(seq=100, dp=2), tmp_path, str(f), out=_quiet)
+    assert e.value.file == str(f)
 
 
 def _sparse(path, size, head: bytes = b"", tail: bytes = b""):
@@ -289,8 +315,8 @@ def test_h2x_run_on_real_data_resumes_exactly(tmp_path, kind, build, text_path, 
     shutil.copytree(build, b)
     if kind == "tokens":
         data = tmp_path / "train.bin"
-        # 400 ids: 6 windows per replica, an epoch every 3 steps: the resume at step 2 is
-        # mid-epoch and the resumed run crosses into the next, reshuffled epoch
+        # 400 ids: 12 windows, 4 samples a step, an epoch every 3 steps: the resume at step 2
+        # is mid-epoch and the resumed run crosses into the next, reshuffled epoch
         np.random.default_rng(0).integers(0, 320, size=400).astype("<u2").tofile(data)
         flags = ["--data", str(data)]
     else:

@@ -39,41 +39,64 @@ def _drawn(data: TokenBatches, replica: int, steps: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("dp", [1, 2])
+def _global(data: TokenBatches, steps: int) -> tuple[list[int], list[int]]:
+    """The first token id of every sample of steps 0..steps-1 in global sample order (the rows of
+    `global_batch`, concatenated), and the replica that draws each."""
+    firsts, replicas = [], []
+    for step in range(steps):
+        for k, (x, y) in enumerate(data.global_batch(step)):
+            assert np.array_equal(x[:, 1:], y[:, :-1])
+            firsts += x[:, 0].tolist()
+            replicas += [k // data.m] * len(x)
+    return firsts, replicas
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
 def test_every_window_once_per_epoch_in_a_new_order(tmp_path, dp):
+    """Epochs are global: across all replicas, an epoch reads every window of the whole source
+    once, and replicas never draw the same window within an epoch."""
     n, seq = 1001, 8
     f = _token_file(tmp_path / "train.u32", np.arange(n))
-    man = _manifest(dp=dp, seq=seq)              # 6 samples a step: epochs end inside a step
+    man = _manifest(dp=dp, seq=seq)              # 6 samples a replica a step: epochs end inside one
     spec = prepare_data(man, tmp_path / "c", f, out=_quiet)
     data = TokenBatches(open_tokens(spec), 3, seq, 2, dp, 0)
+    windows = (n - 1) // seq
+    assert data.sources[0].windows == windows == 125
+    per_step = 6 * dp
+    firsts, replicas = _global(data, steps=-(-2 * windows // per_step))
+    assert all(i % seq == 0 and i + seq < n for i in firsts)                # windows at stride seq
+    order = [i // seq for i in firsts]
+    one, two = order[:windows], order[windows:2 * windows]
+    assert sorted(one) == sorted(two) == list(range(windows))              # each once per epoch
+    assert one != two and one != sorted(one)                               # reshuffled
+    for epoch in (0, 1):
+        at = range(epoch * windows, (epoch + 1) * windows)
+        mine = [{order[i] for i in at if replicas[i] == r} for r in range(dp)]
+        assert sum(map(len, mine)) == windows                              # replicas disjoint
+        if dp > 1:
+            assert all(len(m) > 0 for m in mine)
+    # the replica's own draws are its slice of the global order
     for r in range(dp):
-        lo, hi = data.shards[r]
-        windows = (hi - lo - 1) // seq
-        assert data.sources[0].windows[r] == windows
-        firsts = _drawn(data, r, steps=-(-2 * windows // 6))
-        assert all((i - lo) % seq == 0 and lo <= i < hi for i in firsts)   # windows at stride seq
-        order = [(i - lo) // seq for i in firsts]
-        one, two = order[:windows], order[windows:2 * windows]
-        assert sorted(one) == sorted(two) == list(range(windows))         # each once per epoch
-        assert one != two and one != sorted(one)                          # reshuffled
-    if dp == 2:
-        assert data.shards == [(0, n // 2), (n // 2, n)]
+        assert _drawn(data, r, 2) == [firsts[s * per_step + r * 6 + k]
+                                      for s in range(2) for k in range(6)]
 
 
 def test_shuffle_false_reads_windows_in_order(tmp_path):
     n, seq = 200, 8
     data = TokenBatches(np.arange(n), 3, seq, 2, 2, 0, shuffle=False)
-    for r in range(2):
-        lo, hi = data.shards[r]
-        windows = (hi - lo - 1) // seq
-        order = [(i - lo) // seq for i in _drawn(data, r, steps=5)]
-        assert order == [k % windows for k in range(30)]                  # wraps to epoch 2
+    windows = (n - 1) // seq
+    firsts, _ = _global(data, steps=5)                                     # 60 samples
+    assert [i // seq for i in firsts] == [k % windows for k in range(60)]  # wraps to epochs 2, 3
 
 
-def test_a_share_needs_one_whole_window():
+def test_a_source_needs_one_whole_window():
     TokenBatches(np.arange(9), 1, 8, 1, 1)                                # 9 = seq_len+1: one
-    with pytest.raises(H2Error, match="need more than seq_len = 8 per replica") as e:
-        TokenBatches(np.arange(17), 1, 8, 1, 2, name="tiny.bin")          # 8 per replica
+    one = TokenBatches(np.arange(9), 2, 8, 1, 4)                          # epochs wrap: enough
+    x, _ = one.micro_batch(3, 2, 0)
+    assert x[:, 0].tolist() == [0, 0]
+    assert TokenBatches(np.arange(17), 1, 8, 1, 2).sources[0].windows == 2
+    with pytest.raises(H2Error, match="data has 8 tokens; need more than seq_len = 8") as e:
+        TokenBatches(np.arange(8), 1, 8, 1, 2, name="tiny.bin")
     assert e.value.file == "tiny.bin"
 
 
@@ -102,7 +125,7 @@ def test_a_70_30_blend_keeps_its_weights_and_each_source_its_epochs(tmp_path):
         epochs = [order[e * windows:(e + 1) * windows] for e in range(full)]
         assert all(sorted(ep) == list(range(windows)) for ep in epochs)
         assert len({tuple(ep) for ep in epochs}) == full                 # each its own order
-    pos = data.position(500)["replicas"][0]["sources"]
+    pos = data.position(500)["sources"]
     assert pos[0]["samples"] == len(from_a) and pos[1]["samples"] == 10_000 - len(from_a)
     assert pos[0]["epoch"] == len(from_a) // 1249 and pos[0]["index"] == len(from_a) % 1249
 
@@ -114,46 +137,49 @@ def test_three_sources_get_their_shares(tmp_path):
     for k, w in enumerate((0.5, 0.3, 0.2)):
         got = sum(i // 10_000 == k for i in firsts)
         assert abs(got - w * 10_000) <= 2, (k, got)                      # one per level at most
-        assert data.position(1000)["replicas"][0]["sources"][k]["samples"] == got
+        assert data.position(1000)["sources"][k]["samples"] == got
 
 
 @pytest.mark.parametrize("blend", [False, True])
 def test_resume_draws_the_same_batches_across_an_epoch_boundary(tmp_path, blend):
     """Steps 5..9 from a fresh TokenBatches equal those of one that drew steps 0..4 first; with
-    37 windows a replica and 6 samples a step, epoch 1 starts inside step 6."""
+    74 windows and 12 samples a step, epoch 1 starts inside step 6."""
     seq, n = 8, 2 * (37 * 8 + 1)
     srcs = [(np.arange(n), 1.0, "a")]
     if blend:
         srcs = [(np.arange(n), 0.5, "a"), (100_000 + np.arange(n // 2), 0.5, "b")]
     run = TokenBatches(srcs, 3, seq, 2, 2, seed=7)
-    assert run.sources[0].windows == [37, 37]
+    assert run.sources[0].windows == 74
     first = [run.global_batch(s) for s in range(10)]
     fresh = TokenBatches(srcs, 3, seq, 2, 2, seed=7)
     for s in range(5, 10):
         for (x, y), (x2, y2) in zip(first[s], fresh.global_batch(s)):
             assert np.array_equal(x, x2) and np.array_equal(y, y2)
     if not blend:
-        assert fresh.position(5)["replicas"][0]["sources"][0]["epoch"] == 0
-        assert fresh.position(7)["replicas"][0]["sources"][0]["epoch"] == 1
+        assert fresh.position(6)["sources"][0]["epoch"] == 0
+        assert fresh.position(7)["sources"][0]["epoch"] == 1
     other_seed = TokenBatches(srcs, 3, seq, 2, 2, seed=8)
     assert not np.array_equal(other_seed.micro_batch(5, 0, 0)[0], first[5][0][0])
 
 
 def test_position_at_an_epoch_boundary():
     seq, windows = 8, 12
-    data = TokenBatches(np.arange(2 * (windows * seq + 1)), 2, seq, 2, 2)    # 4 samples a step
+    data = TokenBatches(np.arange(windows * seq + 1), 2, seq, 1, 2)         # 4 samples a step
     assert json.loads(json.dumps(data.position(3))) == data.position(3)
     for step, samples, epoch, index in ((0, 0, 0, 0), (2, 8, 0, 8), (3, 12, 1, 0), (7, 28, 2, 4)):
         pos = data.position(step)
-        assert pos["step"] == step and pos["samples"] == samples
-        for r in range(2):
-            src = pos["replicas"][r]["sources"][0]
-            assert pos["replicas"][r]["replica"] == r
-            assert (src["samples"], src["epoch"], src["index"], src["windows"]) == \
-                (samples, epoch, index, windows)
+        assert pos["step"] == step and pos["samples"] == samples and pos["global_batch"] == 4
+        assert "replicas" not in pos                                       # one global position
+        src = pos["sources"][0]
+        assert (src["samples"], src["epoch"], src["index"], src["windows"]) == \
+            (samples, epoch, index, windows)
     # the position names the window the step draws first: step 3 starts epoch 1's order
-    order = [(i // seq) for i in _drawn(data, 0, steps=6)]
+    firsts, _ = _global(data, steps=6)
+    order = [i // seq for i in firsts]
     assert sorted(order[12:24]) == list(range(12)) and order[12:24] != order[:12]
+    # another layout of the same global batch is at the same position
+    other = TokenBatches(np.arange(windows * seq + 1), 1, seq, 4, 1)
+    assert other.position(7) == data.position(7)
 
 
 def test_a_huge_epoch_is_drawn_without_materialising_its_order():
@@ -166,11 +192,50 @@ def test_a_huge_epoch_is_drawn_without_materialising_its_order():
             return np.asarray(idx)
 
     data = TokenBatches(Virtual(), 4, 8, 2, 1)
-    assert data.sources[0].windows == [1 << 40]
+    assert data.sources[0].windows == 1 << 40
     x, y = data.micro_batch(123_456_789, 0, 1)
     assert x.shape == (4, 8) and np.all(x[:, 0] % 8 == 0) and np.array_equal(x[:, 1:], y[:, :-1])
     pos = data.position(1 << 38)
-    assert pos["replicas"][0]["sources"][0]["epoch"] == 2
+    assert pos["sources"][0]["epoch"] == 2
+
+
+# ---- one global sample order: the same samples under any layout of the global batch ---------
+LAYOUTS = [(1, 4, 2), (2, 2, 2), (4, 1, 2), (2, 4, 1)]       # (dp, num_microbatches, micro_batch)
+
+
+@pytest.mark.parametrize("packing", ["concat", "document"])
+def test_every_layout_of_a_global_batch_draws_the_same_rows(packing):
+    """dp x num_microbatches x micro_batch = 8 four ways: each step's rows, concatenated in
+    `global_batch` order, are the same (so a checkpoint resumes under another plan on the same
+    samples), across epoch boundaries of both sources of a blend."""
+    docs, _ = _documents([20, 5, 9, 33, 17], tail=0)                 # 84 tokens
+    srcs = [(docs, 0.6, "docs", EOD), (100_000 + np.arange(57), 0.4, "plain", 7)]
+    runs = [TokenBatches(srcs, mb, 8, m, dp, seed=3, packing=packing) for dp, m, mb in LAYOUTS]
+    windows = [s.windows for s in runs[0].sources]
+    assert windows == ([10, 7] if packing == "concat" else [9, 7])
+    for step in range(3):
+        rows = []
+        for data in runs:
+            batch = data.global_batch(step)
+            assert len(batch) == data.dp * data.m
+            assert all(x.shape == (data.mb, 8) for x, _ in batch)
+            rows.append((np.concatenate([x for x, _ in batch]), np.concatenate([y for _, y in batch])))
+        for x, y in rows[1:]:
+            assert np.array_equal(x, rows[0][0]) and np.array_equal(y, rows[0][1])
+        # as a multiset too, trivially: the same windows each step
+        assert all(sorted(map(tuple, x.tolist())) == sorted(map(tuple, rows[0][0].tolist()))
+                   for x, _ in rows)
+        assert all(data.position(step) == runs[0].position(step) for data in runs)
+    # the three steps cross an epoch boundary of each source
+    assert all(src["epoch"] >= 1 for src in runs[0].position(3)["sources"])
+    # a single micro-batch is the matching slice of the global order
+    flat = np.concatenate([x for x, _ in runs[0].global_batch(2)])
+    for data in runs:
+        for r in range(data.dp):
+            for i in range(data.m):
+                at = (r * data.m + i) * data.mb
+                assert np.array_equal(data.micro_batch(2, r, i)[0], flat[at:at + data.mb])
+                assert data.first_sample(2, r, i) == 16 + at
 
 
 # ---- documents: an end-of-document id between tokenized files --------------------------------
@@ -320,7 +385,7 @@ def test_mix_sources_are_checked_like_single_ones(tmp_path):
     with pytest.raises(H2Error, match="outside the model's vocabulary") as e:
         prepare_mix(_manifest(vocab=300), tmp_path, [{"path": a}, {"path": a}], out=_quiet)
     assert e.value.file == a
-    short = _token_file(tmp_path / "short.u32", np.arange(16))   # 8 a replica
+    short = _token_file(tmp_path / "short.u32", np.arange(8))    # not one window of 9
     with pytest.raises(H2Error, match="need more than seq_len") as e:
         prepare_mix(_manifest(dp=2), tmp_path, [{"path": a}, {"path": short}], out=_quiet)
     assert e.value.file == short
@@ -361,10 +426,9 @@ def _documents(lengths=DOC_LENGTHS, tail=TAIL):
     return np.array(ids), docs
 
 
-def _expected_windows(docs, seq, lo=0, hi=1 << 62):
-    """The window starts in [lo, hi) (a window is the replica's whose share holds its start)."""
-    return {s for start, length in docs for k in range((length - 1) // seq)
-            if lo <= (s := start + k * seq) < hi}
+def _expected_windows(docs, seq):
+    """The window starts of all documents."""
+    return {start + k * seq for start, length in docs for k in range((length - 1) // seq)}
 
 
 def _windows_drawn(data, replica, steps):
@@ -375,6 +439,16 @@ def _windows_drawn(data, replica, steps):
             x, y = data.micro_batch(step, replica, mb)
             assert np.array_equal(x[:, 1:], y[:, :-1])
             out += [np.concatenate([x[j], y[j, -1:]]) for j in range(len(x))]
+    return out
+
+
+def _global_windows(data, steps):
+    """(replica, whole window) of every sample of steps 0..steps-1, in global sample order."""
+    out = []
+    for step in range(steps):
+        for k, (x, y) in enumerate(data.global_batch(step)):
+            assert np.array_equal(x[:, 1:], y[:, :-1])
+            out += [(k // data.m, np.concatenate([x[j], y[j, -1:]])) for j in range(len(x))]
     return out
 
 
@@ -390,26 +464,21 @@ def test_document_packing_keeps_every_window_inside_one_document(tmp_path, dp):
     data = open_batches(mix, 3, seq, 2, dp, 0)
     src = data.sources[0]
     every = _expected_windows(docs, seq)
-    assert sum(src.windows) == len(every) == sum((length - 1) // seq for _, length in docs)
-    seen = []
-    for r in range(dp):
-        lo, hi = data.shards[r]
-        mine = _expected_windows(docs, seq, lo, hi)            # windows starting in the share
-        n = src.windows[r]
-        assert n == len(mine) > 0
-        drawn = _windows_drawn(data, r, steps=-(-2 * n // 6))
-        for w in drawn:
-            assert len(w) == seq + 1
-            assert EOD not in w[:-1].tolist()                  # an eod only as the last target
-            assert np.array_equal(w[:-1], ids[w[0] - 1:w[0] - 1 + seq])
-        starts = [int(w[0]) - 1 for w in drawn]
-        one, two = starts[:n], starts[n:2 * n]
-        assert sorted(one) == sorted(two) == sorted(mine)      # each window once per epoch
-        assert len(set(one)) == n and one != two               # reshuffled
-        seen.append(set(one))
+    n = src.windows
+    assert n == len(every) == sum((length - 1) // seq for _, length in docs) == len(src.starts)
+    drawn = _global_windows(data, steps=-(-2 * n // (6 * dp)))
+    for _, w in drawn:
+        assert len(w) == seq + 1
+        assert EOD not in w[:-1].tolist()                      # an eod only as the last target
+        assert np.array_equal(w[:-1], ids[w[0] - 1:w[0] - 1 + seq])
+    starts = [int(w[0]) - 1 for _, w in drawn]
+    one, two = starts[:n], starts[n:2 * n]
+    assert sorted(one) == sorted(two) == sorted(every)         # each window once per epoch
+    assert len(set(one)) == n and one != two                   # reshuffled
+    seen = [{s for (r, _), s in zip(drawn[:n], one) if r == rep} for rep in range(dp)]
     assert set().union(*seen) == every
     if dp == 2:
-        assert not seen[0] & seen[1]                           # replicas disjoint
+        assert seen[0] and seen[1] and not seen[0] & seen[1]   # replicas disjoint in an epoch
     # documents shorter than seq+1 give nothing; one of exactly seq+1 gives one window ending on
     # its eod
     for start, length in docs:
@@ -446,16 +515,17 @@ def test_the_document_scan_reads_pieces_and_handles_their_edges(monkeypatch):
             return ids[idx]
 
     want = TokenBatches(ids, 1, 8, 1, 2, packing="document", eod=EOD).sources[0].starts
+    assert want.tolist() == sorted(_expected_windows(docs, 8))
     for piece in (1, 7, 20, 29, 64):
         monkeypatch.setattr(data_mod, "SCAN_ELEMS", piece)
         Recording.largest = 0
         got = TokenBatches(Recording(), 1, 8, 1, 2, packing="document", eod=EOD).sources[0]
         assert Recording.largest <= piece
-        assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(got.starts, want))
+        assert np.array_equal(got.starts, want) and got.starts.dtype == np.int64
     # an eod that the token type cannot hold: one document, the whole file
     u16 = np.arange(1, 100, dtype="<u2")
     one = TokenBatches(u16, 1, 8, 1, 1, packing="document", eod=1 << 17).sources[0]
-    assert one.documents["documents"] == [1] and one.starts[0].tolist() == list(range(0, 90, 8))
+    assert one.documents["documents"] == 1 and one.starts.tolist() == list(range(0, 90, 8))
 
 
 def test_document_packing_resumes_exactly():
@@ -463,15 +533,14 @@ def test_document_packing_resumes_exactly():
     srcs = [(ids, 0.6, "docs", EOD), (100_000 + np.arange(500), 0.4, "plain", 7)]
     run = TokenBatches(srcs, 3, 8, 2, 2, seed=5, packing="document")
     windows = run.sources[0].windows
-    first = [run.global_batch(s) for s in range(12)]            # past an epoch of either replica
-    assert 12 * 6 * 0.6 > max(windows)
+    first = [run.global_batch(s) for s in range(12)]            # past an epoch of the docs
+    assert 12 * 12 * 0.6 > windows
     fresh = TokenBatches(srcs, 3, 8, 2, 2, seed=5, packing="document")
     for s in range(6, 12):
         for (x, y), (x2, y2) in zip(first[s], fresh.global_batch(s)):
             assert np.array_equal(x, x2) and np.array_equal(y, y2)
-    pos = fresh.position(12)["replicas"]
-    assert [p["sources"][0]["windows"] for p in pos] == windows
-    assert all(p["sources"][0]["epoch"] >= 1 for p in pos)
+    pos = fresh.position(12)["sources"][0]
+    assert pos["windows"] == windows and pos["epoch"] >= 1
 
 
 def test_document_packing_round_trips_through_json(tmp_path):
@@ -536,51 +605,51 @@ def test_text_documents_are_the_files(tmp_path, eos_tok, two_docs):
     tokens = np.asarray(data.sources[0].tokens)
     ends = np.flatnonzero(tokens == 0)
     assert len(ends) == 2 and ends[-1] == len(tokens) - 1          # two files, two documents
-    assert data.sources[0].documents["documents"] == [2, 0]        # both start in share 0
-    assert min(data.sources[0].windows) > 0                        # the second spans both
+    assert data.sources[0].documents["documents"] == 2
+    assert data.sources[0].windows > 0
     for r in range(2):
         for w in _windows_drawn(data, r, steps=20):
             assert 0 not in w[:-1].tolist()
 
 
-def test_documents_shorter_than_a_window_leave_a_share_empty():
+def test_documents_shorter_than_a_window_are_an_error():
     ids, _ = _documents([5, 9, 3, 8] * 4, tail=0)               # none holds seq+1 = 9 ... but one
     TokenBatches(ids, 1, 8, 1, 1, packing="document", eod=EOD)   # 9: one window each
     short, _ = _documents([5, 8, 3, 8] * 4, tail=0)
     with pytest.raises(H2Error, match="documents are shorter than seq_len\\+1") as e:
-        TokenBatches(short, 1, 8, 1, 1, name="short.bin", packing="document", eod=EOD)
-    assert e.value.file == "short.bin" and "(all 16 starting in it)" in e.value.message
-    # replica 1's share holds only short documents
+        TokenBatches(short, 1, 8, 1, 2, name="short.bin", packing="document", eod=EOD)
+    assert e.value.file == "short.bin" and "(all 16 of them)" in e.value.message
+    assert "replica" not in e.value.message
+    # one long document among short ones: its windows serve every replica (epochs wrap)
     mixed, _ = _documents([40, 5, 5, 5, 5, 5, 5, 5, 3], tail=0)
-    with pytest.raises(H2Error, match="no window .* starts in replica 1's share \\(tokens 39..77"):
-        TokenBatches(mixed, 1, 8, 1, 2, packing="document", eod=EOD)
-    # one long document: its windows split between the replicas by where they start
+    data = TokenBatches(mixed, 1, 8, 1, 2, packing="document", eod=EOD)
+    assert data.sources[0].windows == 4 and data.sources[0].starts.tolist() == [0, 8, 16, 24]
+    drawn = [int(w[0]) - 1 for _, w in _global_windows(data, steps=2)]
+    assert sorted(drawn) == [0, 8, 16, 24]                      # 2 replicas x 2 steps: one epoch
+    # one long document: its windows at stride seq from its start, the tail dropped
     one, _ = _documents([200], tail=0)
-    data = TokenBatches(one, 1, 8, 1, 2, packing="document", eod=EOD)
-    src = data.sources[0]
-    assert src.windows == [13, 11] and sum(src.windows) == 199 // 8
-    assert src.documents["documents"] == [1, 0]
-    assert src.starts[0].tolist() == list(range(0, 100, 8))
-    assert src.starts[1].tolist() == list(range(104, 200 - 9 + 1, 8))        # the last: 184
+    src = TokenBatches(one, 1, 8, 1, 2, packing="document", eod=EOD).sources[0]
+    assert src.windows == 199 // 8 == 24 and src.documents["documents"] == 1
+    assert src.starts.tolist() == list(range(0, 200 - 9 + 1, 8))              # the last: 184
 
 
 def test_concat_packing_is_unchanged_by_an_eod_id(tmp_path):
-    """Packing concat (the default) reads windows at stride seq_len over the share, across
-    documents, with or without an eod id known."""
+    """Packing concat (the default) reads windows at stride seq_len over the whole source,
+    across documents, with or without an eod id known."""
     ids, _ = _documents()
     f = _token_file(tmp_path / "docs.u32", ids)
     lines = []
     plain = prepare_mix(_manifest(dp=2), tmp_path / "c", [{"path": f}], out=lines.append)
     with_eod = prepare_mix(_manifest(dp=2), tmp_path / "c", [{"path": f}], eod=EOD, out=_quiet)
     assert plain.packing == with_eod.packing == "concat" and plain.sources[0].eod is None
-    assert "packing concat" in lines[-1]
+    assert "packing concat" in lines[-1] and "replica" not in lines[-1]
     a, b = open_batches(plain, 3, 8, 2, 2, 0), open_batches(with_eod, 3, 8, 2, 2, 0)
     assert a.sources[0].starts is None
+    assert a.sources[0].windows == (len(ids) - 1) // 8
     spans = False
     for r in range(2):
-        lo, hi = a.shards[r]
-        assert a.sources[0].windows[r] == (hi - lo - 1) // 8
         for wa, wb in zip(_windows_drawn(a, r, 10), _windows_drawn(b, r, 10)):
             assert np.array_equal(wa, wb)
+            assert (wa[0] - 1) % 8 == 0 or wa[0] == EOD            # at stride seq_len
             spans |= EOD in wa[:-1].tolist()
     assert spans                                                   # across documents

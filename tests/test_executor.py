@@ -140,6 +140,12 @@ def test_resume_reproduces_uninterrupted_run(builds, tmp_path):
     proc = _launch(b, "--steps", "400", "--checkpoint-every", "3")
     try:
         _wait_for_step(proc, 7)
+        # step 6's files are written in the background during step 7: its COMPLETE may come
+        # after the step-7 line
+        done = b / "ckpt" / "step_00000006" / "COMPLETE"
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         for p in child_pids(proc.pid):
             os.kill(p, signal.SIGKILL)
             break
@@ -156,6 +162,33 @@ def test_resume_reproduces_uninterrupted_run(builds, tmp_path):
     assert [g["step"] for g in got] == [7, 8, 9, 10]
     for g in got:
         assert abs(g["loss"] - want[g["step"]]) <= 1e-6 * abs(want[g["step"]]), (g, want)
+
+
+def test_a_worker_killed_while_its_checkpoint_is_written_loses_nothing(builds, tmp_path):
+    """Checkpoints every step are written in the background while the next steps run: kill a
+    worker then, and every COMPLETE checkpoint still verifies and --resume takes the newest."""
+    import shutil
+
+    from executor.checkpoint import build_fingerprint, complete_steps, verify
+    b = tmp_path / "b"
+    shutil.copytree(builds["torch+torch"], b)
+    shutil.rmtree(b / "ckpt", ignore_errors=True)
+    proc = _launch(b, "--steps", "400", "--checkpoint-every", "1")
+    try:
+        _wait_for_step(proc, 4)
+        time.sleep(0.1)                  # inside step 5: step 4's files are being written
+        os.kill(max(child_pids(proc.pid)), signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = complete_steps(b / "ckpt")
+    assert done, "no complete checkpoint"
+    fp = build_fingerprint(b)
+    for s in done:
+        verify(b / "ckpt" / f"step_{s:08d}", fp, 2)
+    r = run_cli("h2x", "run", str(b), "--steps", str(max(done) + 1), "--resume")
+    assert r.returncode == 0 and f"(step {max(done)})" in r.stdout, r.stderr
 
 
 def test_bad_build_dir_is_a_clean_error(tmp_path):

@@ -386,3 +386,16 @@ def test_document_packing_runs_like_eager(small_build, tmp_path):
                                   ("data", "eod_token", "0", ""), ("data", "path", str(data), "")])
     ref = eager_train(str(small_build), 3, config=cfg)
     assert _rel([x["loss"] for x in _log(tmp_path / "log.jsonl")], ref.losses) < 1e-5
+
+
+def test_keep_last_leaves_the_newest_checkpoints(small_build, tmp_path):
+    from executor.checkpoint import complete_steps
+    ck = tmp_path / "ck"
+    r = run_cli("h2x", "run", str(small_build), "--steps", "5", "--checkpoint-every", "1",
+                "--checkpoint-dir", str(ck), "--checkpoint.keep_last", "2")
+    assert r.returncode == 0, r.stderr
+    assert sorted(complete_steps(ck)) == [4, 5]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000004", "step_00000005"]
+    r = run_cli("h2x", "run", str(small_build), "--steps", "6", "--checkpoint-dir", str(ck),
+                "--resume")
+    assert r.returncode == 0 and "(step 5)" in r.stdout, r.stderr
