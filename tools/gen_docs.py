@@ -438,6 +438,8 @@ REGIONS = {r.name: r for r in [
     Region("bench-pipeline", BENCH, (("bench/bench_pipeline.py", "--steps", "8", "--rounds", "3"),),
            render_verbatim),
     Region("bench-models", BENCH, (("bench/bench_models.py",),), render_verbatim),
+    Region("bench-checkpoint", BENCH, (("bench/bench_checkpoint.py", "--steps", "12",
+                                        "--rounds", "3"),), render_verbatim),
     Region("bench-multihost", BENCH, (("bench/bench_multihost.py", "--steps", "8", "--rounds", "2"),),
            render_verbatim),
     Region("bench-multihost-plan", BENCH, (("bench/bench_multihost_plan.py", "--steps", "6"),),
