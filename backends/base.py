@@ -71,10 +71,14 @@ def _no_comm(op, *inputs, **attrs):
     raise RuntimeError(f"program runs comm op {op} but run_program was given no comm hook")
 
 
-def run_program(graph: Graph, backend, inputs: dict, comm=None) -> list:
+def run_program(graph: Graph, backend, inputs: dict, comm=None, meter=None) -> list:
     """Run `graph` on `backend`. `inputs` maps every input/const/param name to a tensor;
-    `comm(op, *inputs, **attrs)` runs the program's communication ops."""
-    return compile_program(graph, backend)(inputs, comm or _no_comm)
+    `comm(op, *inputs, **attrs)` runs the program's communication ops; `meter` (a
+    backends.memory.LiveTensorMeter, begun over what the caller holds) follows every value the
+    program makes until its last use."""
+    if meter is None:
+        return compile_program(graph, backend)(inputs, comm or _no_comm)
+    return compile_program(graph, backend, metered=True)(inputs, comm or _no_comm, meter)
 
 
 def interpret_program(graph: Graph, backend, inputs: dict, comm=None) -> list:
@@ -98,12 +102,15 @@ def interpret_program(graph: Graph, backend, inputs: dict, comm=None) -> list:
     return [env[v.name] for v in graph.outputs]
 
 
-def compile_program(graph: Graph, backend):
+def compile_program(graph: Graph, backend, metered: bool = False):
     """Lower `graph` to a Python function over `backend`'s kernels (as torch.fx's codegen does):
     values become local variables, attributes are bound once, and each intermediate is dropped
-    right after its last use so the allocator reuses hot memory. Cached per (graph, backend)."""
+    right after its last use so the allocator reuses hot memory. Cached per (graph, backend).
+    `metered`: the function takes a third argument, a meter told of each value made (`add`)
+    and dropped (`drop`)."""
     cache = backend.__dict__.setdefault("_h2_programs", {})   # lives as long as the backend
-    hit = cache.get(id(graph))
+    key = (id(graph), metered)
+    hit = cache.get(key)
     if hit is not None and hit[0] is graph:
         return hit[1]
     names: dict[int, str] = {}
@@ -120,7 +127,9 @@ def compile_program(graph: Graph, backend):
             last_use[id(v)] = i
     keep = {id(v) for v in graph.outputs}
     consts: dict[str, object] = {}
-    lines = ["def program(env, comm=_no_comm):"]
+    lines = ["def program(env, comm=_no_comm, meter=None):"]
+    if metered:
+        lines.append("    _add, _drop = meter.add, meter.drop")
     for v in graph.inputs + graph.consts + graph.all_params():
         if id(v) in last_use or id(v) in keep:
             lines.append(f"    {var(v)} = env[{v.name!r}]")
@@ -144,16 +153,20 @@ def compile_program(graph: Graph, backend):
             args.append(f"**{c}")
         outs = ", ".join(var(v) for v in n.outputs) + ("," if len(n.outputs) > 1 else "")
         lines.append(f"    {outs} = {'comm' if comm_op else k}({', '.join(args)})")
+        if metered:
+            lines.append(f"    _add({outs})")
         dead = [var(v) for v in n.input_values() if last_use.get(id(v)) == i and id(v) not in keep]
         dead += [var(v) for v in n.outputs if id(v) not in last_use and id(v) not in keep]
         if dead:
+            if metered:
+                lines.append(f"    _drop({', '.join(dict.fromkeys(dead))})")
             lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
     lines.append(f"    return [{', '.join(var(v) for v in graph.outputs)}]")
     code = "\n".join(lines) + "\n"
     scope: dict = dict(consts, _no_comm=_no_comm)
     exec(compile(code, f"<h2ir program {graph.name} on {backend.name}>", "exec"), scope)
     fn = scope["program"]
-    cache[id(graph)] = (graph, fn)
+    cache[key] = (graph, fn)
     return fn
 
 

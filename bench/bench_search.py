@@ -103,6 +103,7 @@ def one(cluster_name: str, traced: bool, gb: int) -> dict:
         "peak_rss_gib": rss, "rss_before_search_gib": rss0,
         "configs_searched": r.configs_searched, "configs_total": r.configs_total,
         "lines": r.lines, "simulations": r.simulations, "exact": r.exact,
+        "stopped_by": r.stopped_by, "search": r.lines_by, "proved_lower_bound_s": r.lower_bound_s,
         "plan": r.best.config.describe() if r.best.config else r.best.kind,
         "step_time_s": r.best.step_time_s, "lower_bound_s": r.best.estimate_s,
         "tokens_per_s": r.best.tokens_per_s, "bubble": r.sim.bubble_fraction,
@@ -131,8 +132,10 @@ def print_row(r: dict) -> None:
           f"({r['rss_before_search_gib']:.2f} before the search)" + ("; " + ", ".join(verdict) if verdict else ""))
     unif = f"; uniform {r['uniform_step_time_s']:.2f} s" if r["uniform_step_time_s"] else ""
     print(f"  {r['configs_searched']} of {r['configs_total']} configurations expanded, {r['lines']} lines, "
-          f"{r['simulations']} simulated ({'stopped by the bound' if r['exact'] else 'budget spent'}); "
-          f"plan {r['plan']}: step {r['step_time_s']:.2f} s (lower bound {r['lower_bound_s']:.2f} s), "
+          f"{r['simulations']} simulated (stopped by {r['stopped_by']}; {r['search']}: "
+          f"{'proved optimal' if r['exact'] else 'not proved'}, no plan below "
+          f"{r['proved_lower_bound_s']:.2f} s); "
+          f"plan {r['plan']}: step {r['step_time_s']:.2f} s (its own bound {r['lower_bound_s']:.2f} s), "
           f"bubble {r['bubble'] * 100:.1f}%{unif}")
 
 

@@ -238,6 +238,8 @@ class _ManifestCheck:
         stages = self.listing("stages")
         for i, st in enumerate(stages):
             self.string(st, "backend", f"stages[{i}].backend")
+            if "zero" in st:             # absent in builds of older h2c: zero=0
+                self.integer(st, "zero", 0, 1, f"stages[{i}].zero")
             for key in _STAGE_FILES:
                 self.file_in_build(st, key, f"stages[{i}].{key}")
         workers = self.listing("workers")

@@ -1,8 +1,11 @@
 """Checkpoints: per worker, weights and optimizer state as safetensors plus msgpack metadata.
 
     ckpt/step_00000010/w0.safetensors    param.<name>, exp_avg.<name>, exp_avg_sq.<name> (no
-                                         optimizer state for a tied parameter's copy)
-    ckpt/step_00000010/w0.msgpack        {step, data_position, opt_steps, rng}
+                                         optimizer state for a tied parameter's copy; with
+                                         ZeRO-1 the moments of the worker's shard only: 1-D
+                                         segments of the flattened parameters)
+    ckpt/step_00000010/w0.msgpack        {step, data_position, opt_steps, rng; zero: the shard
+                                         layout, executor/zero.py}
     ckpt/step_00000010/COMPLETE          JSON, written by h2x once every worker's files are durable:
                                          {format, step, build, files: {name: {sha256, size}}}
 
@@ -103,7 +106,10 @@ def snapshot(worker, step: int) -> tuple[dict, dict]:
     tensors = {}
     for k in worker.param_names:
         tensors[f"param.{k}"] = np.array(be.to_numpy(worker.params[k]), order="C", copy=True)
-    for k in worker.opt_names:       # a tied parameter's copy has no optimizer state of its own
+    # a tied parameter's copy has no optimizer state of its own, a ZeRO-1 worker only its shard's
+    for k in worker.opt_names:
+        if k not in worker.exp_avg:
+            continue
         tensors[f"exp_avg.{k}"] = np.array(be.to_numpy(worker.exp_avg[k]), order="C", copy=True)
         tensors[f"exp_avg_sq.{k}"] = np.array(be.to_numpy(worker.exp_avg_sq[k]), order="C",
                                               copy=True)
@@ -116,11 +122,26 @@ def snapshot(worker, step: int) -> tuple[dict, dict]:
         (ch.data for ch in getattr(worker, "chunks", ()) if ch.data is not None), None)
     if data is not None:
         meta["data"] = data.position(step)
+    zero = zero_layout(worker)
+    if zero:
+        meta["zero"] = zero
     moe = getattr(worker, "moe", None)
     if moe:                          # expert placement after migrations (executor/experts.py)
         meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
         meta["moe_load_ema"] = {p: [float(x) for x in v] for p, v in moe.load_ema.items()}
     return tensors, meta
+
+
+def zero_layout(worker) -> dict | None:
+    """The ZeRO-1 shard layouts of a worker ({chunk prefix + name: [lo, hi]} segments, its
+    index and the dp group's size), or None without ZeRO-1."""
+    parts = [(f"c{c}." if hasattr(worker, "chunks") else "", ch.zero)
+             for c, ch in enumerate(getattr(worker, "chunks", [worker]))]
+    parts = [(p, z) for p, z in parts if z is not None]
+    if not parts:
+        return None
+    return {"dp": parts[0][1].dp, "rank": parts[0][1].rank,
+            "segments": {p + k: seg for p, z in parts for k, seg in z.layout()["segments"].items()}}
 
 
 def write_snapshot(root: Path, step: int, wid: int, tensors: dict, meta: dict) -> dict:
@@ -170,13 +191,25 @@ def load_worker_checkpoint(d: Path, worker) -> None:
     except Exception as e:
         raise H2Error(f"cannot read checkpoint metadata: {type(e).__name__}: {e}", str(mf)) from None
     be = worker.be
+    zero = zero_layout(worker)
+    if (meta.get("zero") or None) != zero:
+        raise H2Error(f"checkpoint's ZeRO-1 layout ({_zero_text(meta.get('zero'))}) is not this "
+                      f"worker's ({_zero_text(zero)})", str(mf),
+                      hint="lay the checkpoint out for this build with `h2x reshard`")
     wanted = [(worker.params, "param.", k) for k in worker.param_names]
-    wanted += [(table, prefix, k) for k in worker.opt_names
-               for table, prefix in ((worker.exp_avg, "exp_avg."), (worker.exp_avg_sq, "exp_avg_sq."))]
+    # the moments the worker holds: whole per parameter, or its ZeRO-1 segments
+    wanted += [(table, prefix, k) for k in worker.opt_names if k in worker.exp_avg
+               for table, prefix in ((worker.exp_avg, "exp_avg."),
+                                     (worker.exp_avg_sq, "exp_avg_sq."))]
     for table, prefix, k in wanted:
         if prefix + k not in tensors:
             raise H2Error(f"checkpoint has no tensor {prefix + k}", str(f))
-        table[k] = be.from_numpy(np.array(tensors[prefix + k]), "f32")
+        arr = tensors[prefix + k]
+        have = tuple(table[k].shape)
+        if tuple(arr.shape) != have:
+            raise H2Error(f"checkpoint tensor {prefix + k} has shape {list(arr.shape)}, this "
+                          f"worker holds {list(have)}", str(f))
+        table[k] = be.from_numpy(np.array(arr), "f32")
     worker.opt_steps = opt_steps
     worker.skipped_in_row = int(meta.get("skipped_in_row", 0))
     placement = meta.get("moe_placement")
@@ -191,6 +224,10 @@ def load_worker_checkpoint(d: Path, worker) -> None:
         moe.load_ema = {p: [float(x) for x in v]
                         for p, v in (meta.get("moe_load_ema") or {}).items()}
         worker.set_placement_consts(moe.placement)
+
+
+def _zero_text(z: dict | None) -> str:
+    return "none" if not z else f"shard {z.get('rank')} of dp {z.get('dp')}"
 
 
 def build_fingerprint(build_path: Path) -> str:

@@ -128,6 +128,8 @@ class Coordinator(threading.Thread):
             out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
                 f"(median of steps 2..{len(self.result.step_s)}), error "
                 f"{(sim.step_time_s - measured) / measured:+.1%}")
+        for line in launcher.memory_summary(self.build, self.result.peak_memory):
+            out(line)
 
     # ---- the run ----------------------------------------------------------------------------------
     def _pump(self, run, progress):

@@ -23,6 +23,7 @@ import numpy as np
 
 from executor.build import BuildDir
 from executor.checkpoint import build_fingerprint, resume_point, step_dir, verify, worker_files
+from frontend.pretrained import hf_module
 from h2ir.errors import H2Error
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -54,7 +55,8 @@ def merged_parameters(build: BuildDir, ckpt: Path | None) -> dict[str, np.ndarra
 def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", "exp_avg_sq."))\
         -> dict[str, dict[str, np.ndarray]]:
     """{prefix: {name: whole tensor}} of a checkpoint's parameters ("param.") and AdamW moments
-    ("exp_avg.", "exp_avg_sq."; a tied parameter's only under its owner's name)."""
+    ("exp_avg.", "exp_avg_sq."; a tied parameter's only under its owner's name; a ZeRO-1
+    stage's joined from its replicas' segments, executor/zero.py)."""
     from safetensors.numpy import load_file
     out: dict[str, dict] = {}
     for prefix in prefixes:
@@ -63,12 +65,27 @@ def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", 
     placements: dict[str, list[int]] = {}
     ep_of: dict[str, int] = {}
     sharding: dict[str, dict] = {}
+    # ZeRO-1 stages: (prefix, name, tp rank) -> the shape and the replicas' segments of a moment
+    zparts: dict[tuple, tuple] = {}
+
+    def place(prefix, k, arr, replica, tp_rank, tp, ep, experts, placed):
+        if k in experts:
+            if replica < ep:        # the first EP group: every expert once
+                parts.setdefault((prefix, k, "ep"), {})[replica % ep] = arr
+                placements[k] = [int(e) for e in placed[experts[k]]]
+                ep_of[k] = ep
+        elif replica == 0 and tp > 1 and (sharding.get(k) or {}).get("dim") is not None:
+            parts.setdefault((prefix, k, "tp"), {})[tp_rank] = arr
+        elif replica == 0 and tp_rank == 0 and k not in out[prefix]:
+            out[prefix][k] = arr    # a tied copy is equal to its owner's
+
     for w in build.workers:
         wid, replica = w["id"], w["replica"]
         tp_rank, ep = int(w.get("tp_rank", 0)), len(w.get("ep_group") or [wid])
         tensors_f, meta_f = (ckpt / n for n in worker_files(wid))
         tensors = load_file(str(tensors_f))
         meta = msgpack.unpackb(meta_f.read_bytes())
+        segments = (meta.get("zero") or {}).get("segments") or {}
         chunks = w.get("chunks")
         for c, s in enumerate(chunks or [w["stage"]]):
             chunk = f"c{c}." if chunks else ""
@@ -77,6 +94,7 @@ def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", 
             placed = meta.get("moe_placement") or _initial_placement(build, s)
             sharding.update(st.sig.get("sharding") or {})
             tp = len(w.get("tp_group") or [0])
+            zero = bool(build.manifest["stages"][s].get("zero")) and build.manifest["dp"] > 1
             for prefix in prefixes:
                 for k in st.sig["params"]:
                     arr = tensors.get(f"{prefix}{chunk}{k}")
@@ -84,16 +102,29 @@ def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", 
                         if prefix == "param.":
                             raise H2Error(f"checkpoint file has no tensor param.{chunk}{k}",
                                           str(tensors_f))
-                        continue                # a tied copy has no moments of its own
-                    if k in experts:
-                        if replica < ep:        # the first EP group: every expert once
-                            parts.setdefault((prefix, k, "ep"), {})[replica % ep] = arr
-                            placements[k] = [int(e) for e in placed[experts[k]]]
-                            ep_of[k] = ep
-                    elif replica == 0 and tp > 1 and (sharding.get(k) or {}).get("dim") is not None:
-                        parts.setdefault((prefix, k, "tp"), {})[tp_rank] = arr
-                    elif replica == 0 and tp_rank == 0 and k not in out[prefix]:
-                        out[prefix][k] = arr    # a tied copy is equal to its owner's
+                        continue    # a tied copy has no moments; a ZeRO-1 shard, some
+                    if zero and prefix != "param.":
+                        if chunk + k not in segments:
+                            raise H2Error(f"checkpoint holds {prefix}{chunk}{k} of a ZeRO-1 "
+                                          "stage without its segment in the metadata",
+                                          str(meta_f))
+                        shape = tensors[f"param.{chunk}{k}"].shape
+                        zparts.setdefault((prefix, k, tp_rank), (shape, tp, ep, experts,
+                                                                 placed, []))[-1].append(
+                            (*segments[chunk + k], arr))
+                        continue
+                    place(prefix, k, arr, replica, tp_rank, tp, ep, experts, placed)
+    for (prefix, k, tp_rank), (shape, tp, ep, experts, placed, segs) in zparts.items():
+        # the dp group's segments of one TP rank's moment: whole again, then as replica 0's
+        whole = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
+        covered = 0
+        for lo, hi, arr in segs:
+            whole[lo:hi] = arr
+            covered += hi - lo
+        if covered != whole.size:
+            raise H2Error(f"the checkpoint's ZeRO-1 segments of {prefix}{k} cover {covered} of "
+                          f"its {whole.size} elements", str(ckpt))
+        place(prefix, k, whole.reshape(shape), 0, tp_rank, tp, ep, experts, placed)
     for (prefix, k, kind), ranks in parts.items():
         if kind == "tp":
             out[prefix][k] = np.concatenate([ranks[r] for r in sorted(ranks)],
@@ -106,19 +137,6 @@ def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", 
             whole[order[r * per:(r + 1) * per]] = ranks[r]
         out[prefix][k] = whole
     return out
-
-
-def hf_module(model):
-    """The transformers PreTrainedModel inside an h2 model file's module, and its name prefix
-    ('lm.' for examples/hf/decoders.py), or (None, '')."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None, ""
-    for name, m in model.named_modules():
-        if isinstance(m, PreTrainedModel):
-            return m, (name + "." if name else "")
-    return None, ""
 
 
 def checkpoint_to_export(build: BuildDir, root: Path, step: int | None, out) -> Path | None:

@@ -56,6 +56,7 @@ class RunResult:
     eval_losses: list = field(default_factory=list)     # (step, held-out loss)
     grad_norms: list = field(default_factory=list)      # per step: the global gradient norm
     lrs: list = field(default_factory=list)             # per step: the learning rate
+    peak_memory: dict = field(default_factory=dict)     # worker -> peak bytes of live tensors
 
 
 def _reader(proc, wid, q):
@@ -371,7 +372,13 @@ class _Progress:
         if "grad_norm" in ev:           # the same on every worker (one global all-reduce)
             rep.update(grad_norm=ev["grad_norm"], lr=ev["lr"], skipped=ev["skipped"])
         if "peak_memory" in ev:
-            rep["memory"][w] = ev["peak_memory"]
+            mem = dict(ev["peak_memory"])
+            predicted = self.run.build.manifest["stages"][self.run.build.workers[w]["stage"]] \
+                .get("memory", {}).get("predicted_bytes")
+            if predicted is not None:
+                mem["predicted"] = predicted
+            rep["memory"][w] = mem
+            self.result.peak_memory[w] = max(self.result.peak_memory.get(w, 0), mem["tensors"])
         if "loss" in ev:
             rep["losses"].append(ev["loss"])
         if "sent_bytes" in ev:          # boundary bytes each worker sent (TP redistribution)
@@ -580,7 +587,21 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         err = (sim.step_time_s - measured) / measured
         out(f"step time: predicted {sim.step_time_s:.3f} s, measured {measured:.3f} s "
             f"(median of steps 2..{len(result.step_s)}), error {err:+.1%}")
+    for line in memory_summary(build, result.peak_memory):
+        out(line)
     return result
+
+
+def memory_summary(build, peaks: dict) -> list[str]:
+    """Each worker's measured peak (live tensors: backends/memory.py) beside the resource
+    model's prediction for its stage."""
+    lines = []
+    for w, got in sorted(peaks.items()):
+        st = build.workers[w]["stage"]
+        pred = build.manifest["stages"][st].get("memory", {}).get("predicted_bytes")
+        vs = f", predicted {pred / 2**20:.1f} MiB ({got / pred - 1:+.1%})" if pred else ""
+        lines.append(f"memory: w{w} (stage {st}) peak {got / 2**20:.1f} MiB of live tensors{vs}")
+    return lines
 
 
 def _check_health(build, procs, status, done, run_dir, progress=None):

@@ -4,9 +4,10 @@ A cluster changes (a host lost, a chip type added), so the model is compiled aga
 plan — another stage split, dp, tp, ep, schedule, chip types or backends. The old build's
 newest sound checkpoint (or `--step N`) is merged into whole tensors (executor/export.py
 `merged_tensors`: parameters and both AdamW moments, TP shards concatenated, experts in expert
-order) and cut again the way the new build's workers hold them: each stage's parameters, TP
-shards by the new stage's sharding, an EP rank's experts by the new build's placement, a tied
-parameter's moments at its new owner. The step, the optimizer step count and the NaN guard's
+order, a ZeRO-1 stage's moments joined from its replicas' segments) and cut again the way the
+new build's workers hold them: each stage's parameters, TP shards by the new stage's sharding,
+an EP rank's experts by the new build's placement, a tied parameter's moments at its new owner,
+a ZeRO-1 replica's segments of the moments (executor/zero.py). The step, the optimizer step count and the NaN guard's
 count carry over; the data position is the step, and the data order does not depend on the
 layout (executor/data.py: one global sample index), so the resumed run trains on the samples
 the old one would have. Expert load averages start again (they steer migration, not the math).
@@ -30,6 +31,7 @@ from executor.checkpoint import (_durable_write, build_fingerprint, invalidate, 
                                  step_dir, worker_files)
 from executor.export import checkpoint_to_export, merged_tensors
 from executor.rundir import RunLock
+from executor.zero import segments as zero_segments
 from h2ir.errors import H2Error
 
 MUST_MATCH = (("model", "sha256"), ("model", "args"), ("global_batch",), ("seq_len",), ("seed",))
@@ -108,7 +110,7 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
         tp_rank, tp = int(w.get("tp_rank", 0)), len(w.get("tp_group") or [wid])
         ep, ep_rank = len(w.get("ep_group") or [wid]), int(w.get("ep_rank", 0))
         chunks = w.get("chunks")
-        tensors, placement = {}, {}
+        tensors, placement, zero = {}, {}, None
         for c, s in enumerate(chunks or [w["stage"]]):
             chunk = f"c{c}." if chunks else ""
             st = new.stage(s)
@@ -120,18 +122,35 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
             orders = {path: list(e["placement"]) for path, e in
                       ((meta_s.get("moe") or {}).get("experts") or {}).items()}
             placement.update(orders)
-            for prefix in ("param.", "exp_avg.", "exp_avg_sq."):
-                for k in st.sig["params"]:
-                    if prefix != "param." and k in copies:
-                        continue            # a tied copy's moments live with its owner
-                    arr = _whole(whole[prefix], k, aliases, prefix.rstrip("."), str(src))
-                    if k in experts:
-                        order = orders[experts[k]]
-                        per = len(order) // ep
-                        arr = np.ascontiguousarray(arr[order[ep_rank * per:(ep_rank + 1) * per]])
-                    else:
-                        arr = _cut(arr, sharding.get(k), tp, tp_rank)
-                    tensors[f"{prefix}{chunk}{k}"] = np.ascontiguousarray(arr, dtype=np.float32)
+
+            def cut(prefix, k):
+                arr = _whole(whole[prefix], k, aliases, prefix.rstrip("."), str(src))
+                if k in experts:
+                    order = orders[experts[k]]
+                    per = len(order) // ep
+                    arr = arr[order[ep_rank * per:(ep_rank + 1) * per]]
+                else:
+                    arr = _cut(arr, sharding.get(k), tp, tp_rank)
+                return np.ascontiguousarray(arr, dtype=np.float32)
+
+            params = {k: cut("param.", k) for k in st.sig["params"]}
+            tensors.update((f"param.{chunk}{k}", a) for k, a in params.items())
+            owned = [k for k in st.sig["params"] if k not in copies]  # a tied copy's moments
+            segs = None                                                # live with its owner
+            if meta_s.get("zero") and new.manifest["dp"] > 1:
+                # ZeRO-1: the worker's segments of the moments (executor/zero.py's partition)
+                dp = int(new.manifest["dp"])
+                segs = zero_segments([(k, params[k].size) for k in owned], dp, w["replica"])
+                zero = zero or {"dp": dp, "rank": w["replica"], "segments": {}}
+                zero["segments"].update((chunk + k, [lo, hi]) for k, (lo, hi) in segs.items())
+            for prefix in ("exp_avg.", "exp_avg_sq."):
+                for k in owned:
+                    if segs is None:
+                        tensors[f"{prefix}{chunk}{k}"] = cut(prefix, k)
+                    elif k in segs:
+                        lo, hi = segs[k]
+                        tensors[f"{prefix}{chunk}{k}"] = np.ascontiguousarray(
+                            cut(prefix, k).reshape(-1)[lo:hi])
         st_name, mp_name = worker_files(wid)
         meta = {"step": at, "data_position": at, "opt_steps": opt_steps, "rng": None,
                 "worker": wid, "stage": w["stage"],
@@ -139,6 +158,8 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
                 "resharded_from": str(src)}
         if placement:
             meta["moe_placement"] = placement
+        if zero:
+            meta["zero"] = zero
         reports[wid] = {
             st_name: _durable_write(d / st_name, lambda p, t=tensors: save_file(t, str(p))),
             mp_name: _durable_write(d / mp_name, lambda p, m=meta: p.write_bytes(msgpack.packb(m)))}

@@ -31,11 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from backends.base import comm_ops, run_program
+from backends.memory import LiveTensorMeter
 
 from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import NonFinite, load_worker_checkpoint, snapshot, write_snapshot
 from executor.experts import MoEState, StageComm, migrate_experts, update_loads
+from executor.zero import zero_shard
 from executor.redistribute import recv_shares, send_shares
 from executor.data import DataMix, TokenBatches, open_batches
 from h2ir.config import decays, learning_rate
@@ -65,8 +67,11 @@ class Worker(StreamInterpreter):
         self.st = st
         # --device overrides the compiled device (e.g. run a cpu build's torch stages on cuda)
         dev = device or st.device or "cpu"
-        opts = {"device": dev, "dtype_policy": st.dtype_policy} if st.backend == "torch" else {}
-        self.be = get_backend(st.backend, **opts)
+        # the worker's own backend (h2c writes its stage's): replicas of one stage on different
+        # backends reduce together through DiComm's host arrays
+        backend = w.get("backend") or st.backend
+        opts = {"device": dev, "dtype_policy": st.dtype_policy} if backend == "torch" else {}
+        self.be = get_backend(backend, **opts)
         self.sig = st.sig
         self.first, self.last = self.stage_idx == 0, self.stage_idx == self.S - 1
         self.opt = opt                  # the recipe: optimizer, lr_schedule, training (h2ir/config)
@@ -104,10 +109,12 @@ class Worker(StreamInterpreter):
         self.tied_copies = list(tied.get("copies", []))
         self.tied_shared = {int(s): list(ps) for s, ps in tied.get("shared", {}).items()}
         self.opt_names = [k for k in self.param_names if k not in self.tied_copies]
-        self.exp_avg = {k: self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
-                        for k in self.opt_names}
-        self.exp_avg_sq = {k: self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
-                           for k in self.opt_names}
+        shapes = {k: tuple(self.be.to_numpy(self.params[k]).shape) for k in self.opt_names}
+        # ZeRO-1 (a stage's zero=1, dp > 1): AdamW state only for this replica's shard
+        self.zero = zero_shard(self, shapes)
+        state = self.zero.state_shapes() if self.zero else shapes
+        self.exp_avg = {k: self.be.zeros(s, "f32") for k, s in state.items()}
+        self.exp_avg_sq = {k: self.be.zeros(s, "f32") for k, s in state.items()}
         self.opt_steps = 0
         # weight decay per parameter (h2ir/config.py `decays`: 1-D, bias and norm excluded)
         self.decayed = {k: decays(k, len(self.be.to_numpy(self.params[k]).shape), opt["optimizer"])
@@ -122,6 +129,9 @@ class Worker(StreamInterpreter):
                              self._type_of(k).dtype in FLOAT_DTYPES]
         self.takes_rng = any(v.name == DROPOUT_SEED_INPUT for v in st.fwd.inputs)
         self.trace: list = []
+        # peak memory: live tensors (backends/memory.py); a chunk shares its worker's meter
+        self.meter = LiveTensorMeter(self.be.storage)
+        self.mem_owner = self
         self.reset_step(0)
 
     def _type_of(self, name: str) -> TensorType:
@@ -158,7 +168,7 @@ class Worker(StreamInterpreter):
             m = self.build.manifest
             seed = dropout_seed(m["seed"], self.step, self.replica, m["dp"], self.m, mb)
             env[DROPOUT_SEED_INPUT] = self.be.from_numpy(np.array(seed, dtype=np.int64), "i64")
-        outs = run_program(self.st.fwd, self.be, env, comm=self.prog_comm)
+        outs = self._run(self.st.fwd, env)
         n_out = len(self.sig["outputs"]) - len(self.sig["passthrough"])
         computed = [k for k in self.sig["outputs"] if k not in self.sig["passthrough"]]
         result = dict(zip(computed, outs[:n_out]))
@@ -186,7 +196,7 @@ class Worker(StreamInterpreter):
 
     def bwd(self, ins):
         env, received = self._bwd_env(ins.mb)
-        outs = run_program(self.st.bwd, self.be, env, comm=self.prog_comm)
+        outs = self._run(self.st.bwd, env)
         self._take_grads(ins.mb, dict(zip(self.sig["input_grads"], outs)), received)
 
     def bwd_input(self, ins):
@@ -194,7 +204,7 @@ class Worker(StreamInterpreter):
         need — saved values, output gradients, B's shared intermediates — is kept."""
         zb = self.st.zero_bubble
         env, received = self._bwd_env(ins.mb)
-        outs = run_program(zb["bwd_input"], self.be, env, comm=self.prog_comm)
+        outs = self._run(zb["bwd_input"], env)
         n = len(zb["b_outputs"])
         keep = {k: env[k] for k in zb["w_inputs"]}
         keep.update(zip(zb["stash"], outs[n:]))
@@ -207,8 +217,23 @@ class Worker(StreamInterpreter):
         env = dict(self.params)
         env.update(self.consts)
         env.update(self.w_pending.pop(ins.mb))
-        outs = run_program(zb["bwd_weight"], self.be, env, comm=self.prog_comm)
+        outs = self._run(zb["bwd_weight"], env)
         self._take_grads(ins.mb, dict(zip(zb["w_outputs"], outs)), None)
+
+    def _run(self, graph, env: dict) -> list:
+        """Run a stage program, its values and everything the worker holds metered."""
+        self.meter.begin(self.mem_owner.held_tensors(env.values()), graph.name)
+        return run_program(graph, self.be, env, comm=self.prog_comm, meter=self.meter)
+
+    def held_tensors(self, extra=()):
+        """Every tensor this worker holds between instructions (and `extra`)."""
+        yield from extra
+        for table in (self.params, self.consts, self.exp_avg, self.exp_avg_sq, self.param_grads):
+            yield from table.values()
+        for per_mb in (self.acts_in, self.acts_out, self.saved, self.grads_out, self.grads_in,
+                       self.w_pending):
+            for d in per_mb.values():
+                yield from d.values()
 
     def _take_grads(self, mb: int, grads: dict, received: dict | None):
         """Accumulate the parameter gradients in `grads`; with `received` (a backward that makes
@@ -326,6 +351,21 @@ class Worker(StreamInterpreter):
             for k, a in zip(names, arrs):
                 self.param_grads[k] = self.be.from_numpy(np.ascontiguousarray(a), "f32")
 
+    # ZeRO-1 (executor/zero.py): the all-reduce's halves around the optimizer step
+    def reduce_scatter(self, ins):
+        self._zero_shard(ins).reduce_scatter(self, ins)
+
+    def all_gather(self, ins):
+        self._zero_shard(ins).all_gather(self, ins)
+
+    def _zero_shard(self, ins):
+        if self.zero is None:
+            raise H2Error(f"worker w{self.wid}: '{ins}' but stage {self.stage_idx} has no "
+                          "ZeRO-1 shard (zero=0 in the manifest, or dp 1)",
+                          str(self.build.path / "manifest.json"),
+                          hint="recompile the build with `h2c compile`")
+        return self.zero
+
     def _grad(self, k):
         if k not in self.param_grads:      # a parameter no micro-batch touched: zero gradient
             self.param_grads[k] = self.be.zeros(tuple(self.be.to_numpy(self.params[k]).shape), "f32")
@@ -339,16 +379,15 @@ class Worker(StreamInterpreter):
         global norm: each logical parameter once over stages, TP shards, EP ranks and replicas
         (after the DP all-reduce the replicas hold equal gradients: replica 0 counts them; an
         EP stage's experts: the first EP group; a TP-replicated parameter: TP rank 0; tied
-        copies: their owner)."""
+        copies: their owner). With ZeRO-1 each replica counts its own gradient shard."""
+        if self.zero is not None:
+            return self.zero.norm_share(self)
         experts = {k for ks in self.moe.params.values() for k in ks} if self.moe else set()
         ep = len(self.ep_group)
         total, bad = 0.0, False
         for k in self.opt_names:
             first_replica = self.replica < ep if k in experts else self.replica == 0
-            sh = self.sharding.get(k)
-            shard_counts = len(self.tp_group) == 1 or self.tp_rank == 0 or \
-                (sh is not None and sh.get("kind") != "replicated")
-            if not (first_replica and shard_counts):
+            if not (first_replica and self.tp_counts(k)):
                 continue
             n = self.be.l2_norm(self._grad(k))
             if not math.isfinite(n):
@@ -356,12 +395,22 @@ class Worker(StreamInterpreter):
             total += n * n
         return total, bad
 
+    def tp_counts(self, k: str) -> bool:
+        """This TP rank counts parameter k's gradient towards the norm: its own shard of a
+        TP-sharded one, a replicated one on rank 0 only."""
+        sh = self.sharding.get(k)
+        return len(self.tp_group) == 1 or self.tp_rank == 0 or \
+            (sh is not None and sh.get("kind") != "replicated")
+
     def apply_update(self, v: dict) -> None:
         """AdamW with the step's lr over the decayed and the non-decayed group, gradients scaled
         by the clipping coefficient; nothing on a skipped step (no optimizer state advances)."""
         if v["skip"]:
             return
         self.opt_steps += 1
+        if self.zero is not None:           # this replica's shard; all_gather spreads it
+            self.zero.apply(self, v)
+            return
         o = self.opt["optimizer"]
         names = self.opt_names
         grads = {k: self._grad(k) for k in names}
@@ -369,6 +418,7 @@ class Worker(StreamInterpreter):
             c = np.float32(v["scale"])
             grads = {k: self.be.from_numpy(np.asarray(self.be.to_numpy(g)) * c, "f32")
                      for k, g in grads.items()}
+            self.meter.sample(self.mem_owner.held_tensors(grads.values()))
         for wd, group in ((o["weight_decay"], [k for k in names if self.decayed[k]]),
                           (0.0, [k for k in names if not self.decayed[k]])):
             if group:
@@ -436,7 +486,8 @@ class Worker(StreamInterpreter):
             if self.verdict is not None:
                 ev.update(grad_norm=self.verdict["norm"], lr=self.verdict["lr"],
                           skipped=self.verdict["skip"])
-            ev["peak_memory"] = peak_memory(self.be)
+            ev["peak_memory"] = peak_memory(self.be, self.meter)
+            self.check_memory_cap(step, ev["peak_memory"])
             if self.moe and self.tp_rank == 0:
                 ev["moe"] = self.moe.report()
                 if self.prog_comm is not None and self.prog_comm.a2a_calls:
@@ -462,6 +513,24 @@ class Worker(StreamInterpreter):
     def take_sent_bytes(self) -> dict:
         out, self.sent_bytes = dict(self.sent_bytes), {"act": 0, "grad": 0}
         return out
+
+    def check_memory_cap(self, step: int, peak: dict) -> None:
+        """Stop when the step's live tensors outgrew what the plan may fill on this worker's
+        chip (the cluster file's mem_gib less its reserved bytes and fragmentation): the plan's
+        memory promise is broken, as an out-of-memory error would say on a device."""
+        mem = self.build.manifest["stages"][self.stage_idx].get("memory") or {}
+        cap = mem.get("capacity_bytes")
+        if not cap or peak["tensors"] <= cap:
+            return
+        pred = mem.get("predicted_bytes")
+        raise H2Error(
+            f"worker w{self.wid} (stage {self.stage_idx}) held {peak['tensors'] / 2**20:.1f} MiB "
+            f"of live tensors in step {step + 1} (in {peak['at'] or 'its optimizer step'}), over "
+            f"the {cap / 2**20:.1f} MiB its chip type may fill"
+            + (f"; the plan predicted {pred / 2**20:.1f} MiB" if pred else ""),
+            str(self.build.path / "cluster.toml"),
+            hint="raise the chip's mem_gib in the cluster file, or recompile with recompute="
+                 "selective or full, zero=1, fewer layers or a smaller micro-batch on this stage")
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, root: Path, step: int) -> None:
@@ -537,17 +606,18 @@ class Worker(StreamInterpreter):
         return None
 
 
-def peak_memory(be) -> dict:
-    """This worker's peak memory so far: the process's peak resident set (bytes; what the host
-    gave it: weights, optimizer state, activations, buffers, the interpreter and libraries) and,
-    on a CUDA device, torch's peak of allocated device memory."""
+def peak_memory(be, meter: LiveTensorMeter) -> dict:
+    """This worker's peak memory in the step just run: `tensors`, the high-water mark of its
+    live tensors (backends/memory.py says what is counted; on CUDA the allocator's own peak of
+    allocated device memory), and `host_rss`, the process's peak resident set since it started
+    (weights, activations, buffers, the interpreter and libraries)."""
     import resource
-    out = {"host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    dev = str(getattr(be, "device", "cpu"))
-    if dev.startswith("cuda"):
-        import torch
-        out["device"] = int(torch.cuda.max_memory_allocated(dev))
-    return out
+    at = meter.at
+    live = meter.reset_peak()
+    device = be.device_peak()
+    return {"tensors": device if device is not None else live, "at": at[0],
+            "held": at[1], "program": at[2],
+            "host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def global_verdict(worker, parts: list) -> dict:
@@ -650,6 +720,9 @@ class ChunkedWorker(Worker):
         self.chunks = [Worker(build, wid, comm, data, opt, emit, status, device, stage=v)
                        for v in w["chunks"]]
         self.be = self.chunks[0].be
+        self.meter = self.chunks[0].meter
+        for ch in self.chunks:
+            ch.meter, ch.mem_owner = self.meter, self
         self.tp_rank, self.moe, self.prog_comm = 0, None, None
         self.param_names = [f"c{c}.{k}" for c, ch in enumerate(self.chunks)
                             for k in ch.param_names]
@@ -682,6 +755,11 @@ class ChunkedWorker(Worker):
         self.verdict, self.pending = None, []
         for ch in self.chunks:
             ch.reset_step(step)
+
+    def held_tensors(self, extra=()):
+        yield from extra
+        for ch in self.chunks:
+            yield from ch.held_tensors()
 
     def take_sent_bytes(self) -> dict:
         out = {"act": 0, "grad": 0}

@@ -74,10 +74,13 @@ def search_plan(plan_arg: str, costs, cluster, *, global_batch: int, micro_batch
                 executable: bool = True, calibration=None, time_limit: float | None = None, log=None,
                 sparse_moe: bool = False):
     """A Plan from 'auto' (HeteroAuto) or 'uniform'. `executable` keeps the search to what h2x
-    runs: tp = 1, and expert parallelism only for a model whose experts h2 runs sparsely
+    runs: tp > 1 only where the capture found attention heads and not beside sparse experts,
+    and expert parallelism only for a model whose experts h2 runs sparsely
     (`sparse_moe`: it has experts modules, frontend/moe.py); otherwise the plan has no 'moe'
     section and the model's MoE layers run as written."""
-    max_tp = 1 if executable else None
+    # tp > 1 runs (frontend/tensor_parallel.py) where the capture found heads to split, and not
+    # beside sparse experts (`_executable_check`)
+    max_tp = 1 if executable and (sparse_moe or not costs.n_heads) else None
     max_ep = None if (sparse_moe or not executable) else 1
     wanted, schedule = schedule, heteroauto.VIRTUAL_BASE.get(
         schedule, "1f1b" if schedule == "auto" else schedule)
@@ -377,6 +380,8 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
             "weights": None if dry_run else f"weights/stage{s}.safetensors",
             "consts": None if dry_run else f"weights/stage{s}.consts.safetensors",
             "params": len(p.params), "tp": p.tp, "zero_bubble": zb,
+            # ZeRO stage: 1 shards the AdamW state over the dp group (executor/zero.py)
+            "zero": st.zero if plan.dp > 1 else 0,
         })
     return stages_meta
 
@@ -411,7 +416,8 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster,
                             ties=ties, tp=None if plan.is_virtual else lay.tps, ep=eps,
                             migrate=plan.moe is not None and plan.moe.migration != "none",
                             virtual=plan.virtual, durations=_durations(plan, costs, cluster, cal,
-                                                                       stages_meta))
+                                                                       stages_meta),
+                            zero=[st.zero for st in plan.stages])
     if plan.is_virtual:
         return streams, _chunked_workers(out, plan, streams, stages_meta, cluster)
     hosts = worker_hosts(lay, [st.chip for st in plan.stages], cluster)
@@ -525,6 +531,10 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         f"({time.perf_counter() - t0:.1f} s so far) ...")
     caps = _stage_captures(cap, model_path, model_args, plan)
     progs = _stage_programs(caps, plan, cap.model_file.name)
+    if caps.get(1, cap) is not cap:
+        # the plan was priced on the model as captured (a dense MoE reference); the build runs
+        # the sparse dispatch: simulate it, and predict its memory, from what runs
+        costs = caps[1].graph.layer_costs()
     cap = caps.get(1, cap)        # the model as it runs (sparse MoE installed) for model.h2ir
 
     (out / "plan.h2plan").write_text(format_plan(plan))
@@ -545,6 +555,10 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
                          manifest_b_fractions(stages_meta))
     (out / "streams/schedule.csv").write_text(format_grid(sim.grid()))
+    for m, mem in zip(stages_meta, sim.stage_memory):
+        # the resource model's peak per device, which h2x reports beside the measured one
+        m["memory"] = {"predicted_bytes": mem.total, "capacity_bytes": mem.capacity,
+                       "inflight": mem.inflight, "items": dict(mem.items)}
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
     # the layer-time records this prediction used, so h2x predicts from the same ones (a
@@ -608,21 +622,33 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path, init_fro
     from safetensors.numpy import save_file
 
     from frontend import moe
+    from frontend.pretrained import lazy_weights, load_pretrained
     torch.manual_seed(seed)
-    model = cap.model_file.build(model_args)
-    if init_from:
-        from frontend.pretrained import load_pretrained
-        log(load_pretrained(model, init_from))
-    params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
-    buffers = cap.constants(model, {k for p in progs for k in p.consts
-                                    if not k.endswith((".h2_placement", ".h2_slot"))})
+    lazy = lazy_weights(cap.model_file, model_args, init_from) if init_from else None
+    if lazy is not None:      # one stage's tensors in memory at a time
+        model, source = lazy
+        log(f"init.from {init_from}: {len(source.key)} parameters read stage by stage")
+        weight = source.array
+    else:
+        model = cap.model_file.build(model_args)
+        if init_from:
+            log(load_pretrained(model, init_from))
+        params = dict(model.named_parameters(remove_duplicate=False))   # tied: every name
+
+        def weight(k):
+            return params[k].detach().numpy().copy()
+    names = {k for p in progs for k in p.consts if not k.endswith((".h2_placement", ".h2_slot"))}
+    buffers = cap.constants(model, names)
+    for k, v in buffers.items():
+        if v.device.type == "meta":        # a frozen parameter, still on meta: from the file
+            buffers[k] = torch.from_numpy(weight(k))
     for p in progs:
         for path, e in (p.moe or {}).get("experts", {}).items():   # the placement constants
             order = np.array(e["placement"], dtype=np.int64)
             buffers[f"{path}.h2_placement"] = torch.from_numpy(order)
             buffers[f"{path}.h2_slot"] = torch.from_numpy(np.argsort(order).astype(np.int64))
     for p in progs:
-        full = {k: params[k].detach().numpy().copy() for k in p.params}
+        full = {k: weight(k) for k in p.params}
         save_file(full, str(out / f"weights/stage{p.index}.safetensors"))
         ep = (p.moe or {}).get("ep", 1)
         if ep > 1:                                     # each EP rank's experts, in slot order
@@ -631,14 +657,14 @@ def _write_weights(cap, progs, model_path, model_args, seed, out: Path, init_fro
             for r, shard in enumerate(moe.shards(full, stacks, placements, ep)):
                 save_file(shard, str(out / f"weights/stage{p.index}.ep{r}.safetensors"))
         for r in range(p.tp if p.tp > 1 else 0):       # each TP rank's shards
-            save_file({k: np.ascontiguousarray(shard_weight(params[k].detach().numpy(),
-                                                            p.sharding.get(k), p.tp, r))
+            save_file({k: np.ascontiguousarray(shard_weight(full[k], p.sharding.get(k), p.tp, r))
                        for k in p.params},
                       str(out / f"weights/stage{p.index}.tp{r}.safetensors"))
         consts = {k: buffers[k].detach().numpy().copy() for k in p.consts}
         if p.fixed_inputs:             # the model inputs after the token ids (stage 0)
             consts.update({k: v.numpy().copy() for k, v in cap.fixed_inputs().items()})
         save_file(consts, str(out / f"weights/stage{p.index}.consts.safetensors"))
+        del full                           # before the next stage's tensors are read
 
 
 def _has_experts_modules(model) -> bool:
@@ -676,7 +702,8 @@ def _stage_programs(caps: dict, plan, name: str) -> list:
         if ep in used:      # caps[1] also serves model.h2ir: no programs unless a stage uses it
             try:
                 built[ep] = build_stage_programs(c, layers, name=name,
-                                                 tp=[s.tp for s in plan.stages])
+                                                 tp=[s.tp for s in plan.stages],
+                                                 recompute=[s.recompute for s in plan.stages])
             except H2Error as e:    # an op met only in a backward program: locate it in the model
                 raise c.locate(e) from None
     progs = []

@@ -363,7 +363,10 @@ def _report_json(a, inp: _PlanInputs, choice: _PlanChoice, text: str, stages: li
         "search": ({"method": result.method, "configs_total": result.configs_total,
                     "configs_searched": result.configs_searched, "dfs_nodes": result.dfs_nodes,
                     "lines": result.lines, "simulations": result.simulations,
-                    "exact": result.exact, "timed_out": result.timed_out}
+                    "timed_out": result.timed_out,
+                    # exact, search, stopped_by, lower_bound_s, gap_to_bound, proved: derived
+                    # from the search's bounds (SearchResult.proof)
+                    **result.proof()}
                    if result else None),
         "runner_ups": [_candidate_json(c) for c in result.runner_ups] if result else [],
     }
@@ -391,7 +394,9 @@ def format_report(r: dict) -> str:
                                  f"configurations expanded, {s['lines']:,} lines, {s['simulations']} "
                                  f"simulated in {r['search_time_s']:.2f} s"
                                  + ("; TIME LIMIT reached: the best plan so far" if s["timed_out"]
-                                    else "" if s["exact"] else "; simulation budget spent")
+                                    else "; proved optimal over its plan space" if s["exact"]
+                                    else f"; not proved optimal ({s['search']}, stopped by "
+                                         f"{s['stopped_by']}): {s['proved']}")
                                  if s else ""))
     out.append(f"batch: global {r['global_batch']}, micro {r['micro_batch']}, seq {r['seq_len']}; "
                f"dp {r['dp']}, {r['num_microbatches']} micro-batches per replica, {r['schedule']}")

@@ -22,6 +22,7 @@ from functorch.compile import aot_function, make_boxed_func
 
 from frontend.capture import Capture
 from frontend.lower import lower_fx, tensor_type
+from frontend.recompute import apply_recompute
 from h2ir.opset import DROPOUT_SEED_INPUT as RNG_INPUT
 from h2ir.errors import H2Error
 from h2ir.graph import Graph, Layer, Node, Value
@@ -537,9 +538,11 @@ def _shard_units(cap: Capture, units: list, stage_layers: list, tp: list, loss_f
 
 
 def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=None,
-                         name: str = "model", tp: list[int] | None = None) -> list[StageProgram]:
+                         name: str = "model", tp: list[int] | None = None,
+                         recompute: list[str] | None = None) -> list[StageProgram]:
     """Forward/backward h2ir programs for every stage; `tp` gives each stage's tensor-parallel
-    degree (the programs of a tp > 1 stage are one rank's, the same on every rank).
+    degree (the programs of a tp > 1 stage are one rank's, the same on every rank), `recompute`
+    each stage's activation recomputation (frontend/recompute.py).
 
     AOTAutograd runs once per distinct layer structure (all blocks of a LLaMA are one), on fake
     tensors; the layer programs are then joined into stage programs. This keeps compiling a
@@ -575,6 +578,11 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
         i += n
         bwd.eliminate_dead_code()      # AOTAutograd's backward can carry unused recomputation
         fwd.eliminate_dead_code()
+        rc = (recompute or ["none"] * len(stage_layers))[s]
+        if rc != "none":
+            info["saved"] = apply_recompute(fwd, bwd, info["saved"], rc, _seq_len(cap))
+            fwd.eliminate_dead_code()
+            bwd.eliminate_dead_code()
         fwd.verify()
         bwd.verify()
         progs.append(StageProgram(
@@ -587,6 +595,13 @@ def build_stage_programs(cap: Capture, stage_layers: list[list[str]], loss_fn=No
             sharding={k: sharding[k] for k in info["params"] if k in sharding} if tp[s] > 1
             else {}, fixed_inputs=list(cap.inputs)[1:] if s == 0 else []))
     return progs
+
+
+def _seq_len(cap: Capture) -> int:
+    """The traced sequence length: the token ids' last axis."""
+    first = next(iter(cap.inputs))
+    shape = tuple(_val(cap, first).shape)
+    return int(shape[-1]) if shape else 0
 
 
 # ---- zero-bubble: the backward split into input-gradient (B) and weight-gradient (W) parts ---------

@@ -31,6 +31,11 @@ class LayerCost:
     act_saved_bytes: int        # saved for backward, per micro-batch
     out_bytes: int              # activations crossing the layer's output boundary, per micro-batch
     moe: MoEInfo | None = None
+    # saved for backward under selective recomputation (h2ir/recompute.py); None: not priced
+    act_selective_bytes: int | None = None
+
+    def selective_bytes(self) -> int:
+        return self.act_saved_bytes if self.act_selective_bytes is None else self.act_selective_bytes
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,9 @@ class ModelCosts:
         r = micro_batch / self.micro_batch
         layers = tuple(dataclasses.replace(
             l, fwd_flops=int(l.fwd_flops * r), bwd_flops=int(l.bwd_flops * r),
-            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r))
+            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r),
+            act_selective_bytes=None if l.act_selective_bytes is None
+            else int(l.act_selective_bytes * r))
             for l in self.layers)
         return dataclasses.replace(self, micro_batch=micro_batch, layers=layers)
 

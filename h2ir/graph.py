@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Union
 
-from h2ir import opset
+from h2ir import opset, recompute
 from h2ir.costs import LayerCost, ModelCosts, MoEInfo, TiedParam
-from h2ir.types import TensorType
+from h2ir.types import FLOAT_DTYPES, TensorType
 
 Scalar = Union[int, float, bool, None]
 VIEW_OPS = {"reshape", "permute", "transpose", "expand", "slice", "select"}
@@ -129,18 +129,22 @@ class Graph:
         storage = self._storage_of()
         not_activation = {id(v) for v in self.all_params() + self.consts}
         last_use = self._last_layer_use()
+        needs_grad = self._needs_grad()
+        fa = recompute.ForwardIndex(self, self.outputs)
+        seq_len = int(self.attrs.get("seq_len", 0) or 0)
         layers = []
         live: dict[int, Value] = {id(v): v for v in self.inputs}
         for li, layer in enumerate(self.layers):
             fwd, bwd = _layer_flops(layer)
-            saved = _saved_for_backward(layer, storage, not_activation)
+            saved = _saved_for_backward(layer, storage, not_activation, needs_grad)
+            selective = _selective_saved(fa, saved, storage, not_activation, seq_len)
             for n in layer.nodes:
                 for v in n.outputs:
                     live[id(v)] = v
             # activations still read by a later layer (or the graph's outputs) leave this one
             crossing = [v for k, v in live.items() if last_use.get(k, -1) > li]
             live = {id(v): v for v in crossing}
-            layers.append(_layer_cost(layer, fwd, bwd, saved, crossing))
+            layers.append(_layer_cost(layer, fwd, bwd, saved, crossing, selective))
         a = self.attrs
         return ModelCosts(model=self.name, micro_batch=a.get("micro_batch", 1),
                           seq_len=a.get("seq_len", 0), layers=tuple(layers),
@@ -157,6 +161,16 @@ class Graph:
                 users.setdefault(name, []).append(l.name)
         return tuple(TiedParam(n, owner[n][1].type.nbytes, owner[n][0], tuple(u))
                      for n, u in users.items() if n in owner)
+
+    def _needs_grad(self) -> set[int]:
+        """ids of the values a gradient flows to: parameters, float graph inputs and every float
+        value computed from one of them."""
+        out = {id(p) for p in self.all_params()}
+        out |= {id(v) for v in self.inputs if v.type.dtype in FLOAT_DTYPES}
+        for n in self.nodes():
+            if any(id(v) in out for v in n.input_values()):
+                out.update(id(o) for o in n.outputs if o.type.dtype in FLOAT_DTYPES)
+        return out
 
     def _storage_of(self) -> Callable[[Value], Value]:
         """storage(v): the value whose buffer holds v. A view saved for backward keeps its base
@@ -185,19 +199,38 @@ class Graph:
 
 
 def _saved_for_backward(layer: Layer, storage: Callable[[Value], Value],
-                        not_activation: set) -> dict[int, Value]:
+                        not_activation: set, needs_grad: set) -> dict[int, Value]:
     """The activation buffers a layer's ops save for backward (the op set's `saves`), by id;
-    parameters and constants are not activations."""
+    parameters and constants are not activations. An op no gradient flows through saves
+    nothing; a product saves an input only for another input's gradient (SAVES_FOR_OTHERS)."""
     saved: dict[int, Value] = {}
     for n in layer.nodes:
+        grad_in = [isinstance(v, Value) and id(v) in needs_grad for v in n.inputs]
+        if not any(grad_in):
+            continue
         for s in n.opdef.saves:
             idx = int(s[1:])
             src = n.inputs if s[0] == "i" else n.outputs
+            if s[0] == "i" and n.op in opset.SAVES_FOR_OTHERS and \
+                    not any(g for j, g in enumerate(grad_in) if j != idx):
+                continue
             if idx < len(src) and isinstance(src[idx], Value):
                 base = storage(src[idx])
                 if id(base) not in not_activation:
                     saved[id(base)] = base
     return saved
+
+
+def _selective_saved(fa, saved: dict[int, Value], storage: Callable[[Value], Value],
+                     not_activation: set, seq_len: int) -> int:
+    """Bytes a layer saves under selective recomputation (h2ir/recompute.py's rule, as the
+    stage programs apply it): distinct buffers, parameters and constants excluded."""
+    def nbytes(v: Value) -> int:
+        base = storage(v)
+        return 0 if id(base) in not_activation else base.type.nbytes
+    kept, _ = recompute.choose(fa, list(saved.values()), "selective", seq_len, nbytes)
+    bases = {id(storage(v)): storage(v) for v in kept}
+    return sum(v.type.nbytes for k, v in bases.items() if k not in not_activation)
 
 
 def _layer_flops(layer: Layer) -> tuple[int, int]:
@@ -213,7 +246,7 @@ def _layer_flops(layer: Layer) -> tuple[int, int]:
 
 
 def _layer_cost(layer: Layer, fwd: int, bwd: int, saved: dict[int, Value],
-                crossing: list[Value]) -> LayerCost:
+                crossing: list[Value], selective: int) -> LayerCost:
     """A layer's cost row: parameters, FLOPs, saved bytes, the bytes crossing its end, MoE shape."""
     moe = None
     if layer.kind == "moe_block":
@@ -225,6 +258,7 @@ def _layer_cost(layer: Layer, fwd: int, bwd: int, saved: dict[int, Value],
         param_bytes=sum(p.type.nbytes for p in layer.params),
         fwd_flops=fwd, bwd_flops=bwd,
         act_saved_bytes=sum(v.type.nbytes for v in saved.values()),
+        act_selective_bytes=min(selective, sum(v.type.nbytes for v in saved.values())),
         out_bytes=sum(v.type.nbytes for v in crossing), moe=moe)
 
 

@@ -69,6 +69,10 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
+# products: an input these ops save is needed only for the other inputs' gradients (d(a*b)/db
+# = a), so it is saved only when another input requires a gradient (the cost model's rule)
+SAVES_FOR_OTHERS = frozenset({"mul", "mm", "bmm"})
+
 
 def _op(name, group, inputs, attrs=None, infer=None, flops=None, saves=(), bwd_factor=1.0, doc=""):
     OPS[name] = OpDef(name, group, tuple(inputs), dict(attrs or {}), infer, flops, tuple(saves),

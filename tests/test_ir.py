@@ -37,8 +37,11 @@ def test_small_text_round_trips_and_costs():
     c = g.layer_costs().layers[0]
     assert c.fwd_flops == 2 * 4 * 8 * 16 + 4 * 16
     assert c.params == 128
-    # mm saves both inputs; x is an activation (4*8*4 B), w is a parameter (not counted)
-    assert c.act_saved_bytes == 4 * 8 * 4 + 4 * 16 * 4
+    # mm saves x for w's gradient (an activation, 4*8*4 B) and w for x's (a parameter, not
+    # counted); a product with a constant saves nothing (d(0.5 y)/dy needs no y)
+    assert c.act_saved_bytes == 4 * 8 * 4
+    mul2 = parse_graph(SMALL.replace("mul(%y, 0.5)", "mul(%y, %y)"))
+    assert mul2.layer_costs().layers[0].act_saved_bytes == 4 * 8 * 4 + 4 * 16 * 4
 
 
 @pytest.mark.parametrize("bad, line, words", [

@@ -124,7 +124,14 @@ def _bench():
 def test_time_limit_is_honoured_on_the_1024_chip_moe_cluster():
     b = _bench()
     from h2ir.clusters.clusterfile import load_cluster
+    import dataclasses
     cluster = load_cluster(b.CLUSTER)
+    # h2's backward returns a micro-batch's gradients before adding them (one more gradient
+    # copy, resource.memory_items): with it the bench's cluster no longer holds 8x22B, so
+    # its chips get a quarter more memory here; what is tested is the time limit
+    cluster = dataclasses.replace(cluster, chip_types={
+        k: dataclasses.replace(c, mem_bytes=int(c.mem_bytes * 1.25))
+        for k, c in cluster.chip_types.items()})
     costs = b.mixtral_8x22b(4096)
     t0 = time.perf_counter()
     r = search(costs, cluster, 1024, seq_len=4096, time_limit=1.0)

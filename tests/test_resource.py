@@ -1,4 +1,5 @@
 """Resource model: memory accounting, collective and p2p formulas, compute times, calibration."""
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
-from h2ir.planner.resource import (ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
+from h2ir.planner.resource import (state_bytes_per_param, ResourceModel, all_to_all_flat_time, all_to_all_halo_time,
                            analytic_llama_costs, hierarchical_allreduce_time, p2p_time,
                            piper_moe_memory, ring_allreduce_time, stage_memory,
                            state_bytes_per_param)
@@ -83,7 +84,9 @@ def test_1f1b_stage_j_holds_s_minus_j_microbatches_and_gpipe_holds_m():
         for j in range(S):
             mem = stage_memory(c, plan, cl, j)
             assert mem.inflight == expect[j]
-            a = sum(c.layer(n).act_saved_bytes for n in plan.stages[j].layers) / 2   # fp32 -> bf16
+            # at the traced width: the bf16 policy keeps activations in f32
+            # (backends/torch/runtime.py), so a bf16 cluster does not halve them
+            a = sum(c.layer(n).act_saved_bytes for n in plan.stages[j].layers)
             assert mem.items["activations"] == pytest.approx(expect[j] * a, rel=1e-6)
 
 
@@ -92,11 +95,33 @@ def test_full_recompute_keeps_layer_inputs_and_one_working_set():
     plan = plan_of(c, split(c, [8], recompute="full"), gb=4)
     mem = stage_memory(c, plan, cl, 0)
     inflight = 1
-    outs = sum(l.out_bytes for l in c.layers) / 2
-    assert mem.items["activations"] == pytest.approx(inflight * outs, rel=1e-6)
-    assert mem.items["recompute_working_set"] == pytest.approx(max(l.act_saved_bytes for l in c.layers) / 2, rel=1e-6)
+    L = c.layers
+    # kept: every layer's input (the first one's is the token ids, not an activation)
+    ins = sum(l.out_bytes for l in L[:-1])
+    assert mem.items["activations"] == pytest.approx(inflight * ins, rel=1e-6)
+    # the backward's peak: walking the layers backwards, the gradients made so far plus the
+    # layer's re-made activations (the last layer: also the loss's log-probabilities and the
+    # two gradients its backward holds), or every gradient at the end
+    grad = [l.params * state_bytes_per_param(cl.dtype).grads for l in L]
+    walk = [sum(grad[i + 1:]) + L[i].act_saved_bytes + (3 * L[i].out_bytes if i == len(L) - 1 else 0)
+            for i in range(len(L))]
+    assert mem.items["backward_working_set"] == pytest.approx(max(walk + [sum(grad)]), rel=1e-6)
+    assert "loss" not in mem.items
     none = stage_memory(c, plan_of(c, split(c, [8]), gb=4), cl, 0)
+    assert none.items["loss"] == L[-1].out_bytes
     assert mem.total < none.total
+
+
+def test_selective_recompute_keeps_what_the_rule_keeps():
+    c, cl = costs(layers=6), cluster()
+    c = dataclasses.replace(c, layers=tuple(dataclasses.replace(
+        l, act_selective_bytes=l.act_saved_bytes // 2) for l in c.layers))
+    sel = stage_memory(c, plan_of(c, split(c, [8], recompute="selective"), gb=4), cl, 0)
+    none = stage_memory(c, plan_of(c, split(c, [8]), gb=4), cl, 0)
+    assert sel.items["activations"] == pytest.approx(
+        sum(l.act_saved_bytes // 2 for l in c.layers), rel=1e-6)
+    assert none.items["activations"] == sum(l.act_saved_bytes for l in c.layers)
+    assert sel.total < none.total
 
 
 def test_piper_moe_terms():
@@ -171,11 +196,44 @@ def test_tp_divides_compute_and_adds_two_allreduces_per_block_per_pass():
     x = cl.chip("X")
     mm_f, at_f, mm_b, at_b, mem = layer_op_split(rm.la, i)
     rate, arate, bw = x.flops("bf16"), x.flops("bf16", "attention"), x.mem_bw * x.eff("memory")
-    # matmul and attention FLOPs split over TP; memory-bound work is replicated on every rank
+    # matmul and attention FLOPs split over TP; of the memory-bound work only the replicated
+    # residual stream's part (4 b*s*d tensors of the block's 14d + 4ffn per token) runs whole
     assert t1.fwd_layer[i] == pytest.approx(mm_f / rate + at_f / arate + mem / bw)
-    ar = ring_allreduce_time(c.layers[i].out_bytes / 2, 4, 200e9, cl.group("X").intra_latency)
-    assert t4.fwd_layer[i] == pytest.approx((mm_f / rate + at_f / arate) / 4 + mem / bw + 2 * ar)
-    assert t4.bwd_layer[i] == pytest.approx((mm_b / rate + at_b / arate) / 4 + 2 * mem / bw + 2 * ar)
+    d, ffn = c.d_model, 4 * c.d_model
+    rep = 4 * d / (14 * d + 4 * ffn)
+    share = rep + (1 - rep) / 4
+    ar = ring_allreduce_time(c.layers[i].out_bytes, 4, 200e9, cl.group("X").intra_latency)
+    assert t4.fwd_layer[i] == pytest.approx((mm_f / rate + at_f / arate) / 4 + share * mem / bw + 2 * ar)
+    assert t4.bwd_layer[i] == pytest.approx((mm_b / rate + at_b / arate) / 4 + 2 * share * mem / bw + 2 * ar)
+
+
+def test_tp_without_sequence_parallelism_keeps_the_residual_stream_whole():
+    """Korthikanti et al. 2022 Sec. 4.2.1: with TP and no SP a block keeps 4 b*s*d tensors
+    (the norms' inputs and outputs) on every rank, the rest divides by t; layer inputs and
+    outputs (full recompute's kept inputs, the p2p buffers) are whole."""
+    c, cl = costs(layers=4), cluster()
+    tok, d = c.micro_batch * c.seq_len, c.d_model
+    block = c.layer("block.0")
+    rep = 4 * tok * d * 4
+    for tp in (1, 2, 8):
+        plan = plan_of(c, split(c, [1, 4, 1], tp=tp), gb=1)
+        mem = stage_memory(c, plan, cl, 1)
+        assert mem.items["activations"] == pytest.approx(
+            4 * (rep + (block.act_saved_bytes - rep) / tp), rel=1e-6)
+        rc = stage_memory(c, plan_of(c, split(c, [1, 4, 1], tp=tp, recompute="full"), gb=1), cl, 1)
+        assert rc.items["activations"] == pytest.approx(4 * block.out_bytes, rel=1e-6)
+        assert mem.items["p2p_buffers"] == pytest.approx(2 * block.out_bytes, rel=1e-6)
+
+
+def test_the_full_recompute_rerun_leaves_out_the_collectives():
+    c, cl = costs(), cluster()
+    rm = ResourceModel(c, cl)
+    for tp in (1, 4):
+        lt = rm.layer_times("X", tp)
+        no_comm = rm.layer_times("X", tp, tp_estimate=False)
+        i = 3
+        rerun = (lt.bwd_rc[i + 1] - lt.bwd_rc[i]) - lt.bwd_layer[i]
+        assert rerun == pytest.approx(no_comm.fwd_layer[i])
 
 
 def test_recompute_adds_a_forward_to_the_backward():
@@ -335,3 +393,24 @@ def test_stage_times_cost_the_links_the_build_opens():
     crossing = rm.stage_times(pp4, 1).send_act_s
     assert crossing == pytest.approx(10e-6 + c.layers[2].out_bytes / 12.5e6)
     assert simulate(c, pp4, cl).step_time_s < simulate(c, dp2, cl).step_time_s
+
+
+def test_a_tp_group_the_placement_puts_on_two_hosts_pays_the_nic():
+    """Nodes of 2 chips: a tp 1 stage then a tp 2 stage puts the tp 2 group on chips 1 and 2,
+    two hosts (worker_hosts), so its all-reduces cross the NIC; the same stage first is inside
+    a node. A TP group wider than a node always crosses."""
+    from h2ir.planner.resource import tp_allreduce_time
+    c = costs(layers=4)
+    x = chip("X")
+    g = NodeGroup("X", 2, 2, intra_bw=200e9, nics_per_node=1, nic_bw=5e9)
+    cl = Cluster("t", {"X": x}, (g,), dtype="bf16")
+    names = c.layer_names()
+    rm = ResourceModel(c, cl)
+    straddle = plan_of(c, [StagePlan("X", 1, names[:2], tp=1), StagePlan("X", 2, names[2:], tp=2)])
+    aligned = plan_of(c, [StagePlan("X", 2, names[:4], tp=2), StagePlan("X", 1, names[4:], tp=1)])
+    assert rm.plan_placement(straddle).tp_crosses(1) and not rm.plan_placement(aligned).tp_crosses(0)
+    slow = rm.stage_times(straddle, 1).fwd_s
+    fast = rm.compute_times("X", 2, 2, len(names), "none")[0]
+    assert slow > fast
+    assert tp_allreduce_time(1e8, g, 4) == tp_allreduce_time(1e8, g, 4, cross=True) > \
+        tp_allreduce_time(1e8, g, 2)

@@ -53,7 +53,11 @@ def test_100b_on_h2_1024_fits_and_assigns_every_layer_once():
     # auto beats the uniform split and is never predicted slower than anything it ranked
     assert r.uniform is not None and r.best.step_time_s < r.uniform.step_time_s
     assert all(r.best.step_time_s <= c.step_time_s for c in r.runner_ups)
-    assert len({c.config.order for c in r.runner_ups if c.config}) > 1   # orders were compared
+    # coordinate descent over lines proves nothing: exact is false, and the bound it reports
+    # is below the chosen plan
+    proof = r.proof()
+    assert r.lines > 1 and proof["search"] == "coordinate-descent" and not r.exact
+    assert proof["lower_bound_s"] < r.best.step_time_s and proof["gap_to_bound"] > 0
 
 
 # -- heuristic vs exhaustive on small random instances ------------------------------------------
@@ -198,6 +202,37 @@ def test_no_fit_is_an_error():
         search(analytic_llama_costs("m", 4, 2048, 8, 8192, 32000, 2048, dtype_bytes=2), tiny, 8)
 
 
+def test_selective_recompute_where_none_does_not_fit_and_selective_does():
+    """One chip, one stage: a capacity between what the stage holds under selective
+    recomputation (half of each layer's saved activations) and without any. The search
+    picks selective (cheaper than full), and the plan fits."""
+    import dataclasses
+    from h2ir.plans.plan import Plan, StagePlan
+    c = analytic_llama_costs("m", 4, 1024, 8, 4096, 4000, 512, dtype_bytes=2)
+    c = dataclasses.replace(c, layers=tuple(dataclasses.replace(
+        l, act_selective_bytes=l.act_saved_bytes // 2) for l in c.layers))
+    gb, big = 8, 64 * GiB
+    chip = lambda mem: ChipType("A", "cuda", "v", {"bf16": 1e14}, mem, 1e12, efficiency=0.5,
+                                fused_attention=True, **NO_HEADROOM)
+    cl = lambda mem: Cluster("one", {"A": chip(mem)}, (NodeGroup("A", 1, 1, intra_bw=1e11),),
+                             dtype="bf16")
+    mem = {}
+    for rc in ("none", "selective", "full"):
+        plan = Plan("m", "one", gb, 1, c.seq_len,
+                    [StagePlan("A", 1, c.layer_names(), tp=1, recompute=rc)], schedule="1f1b")
+        mem[rc] = stage_memory(c, plan, cl(big), 0).total
+    assert mem["full"] < mem["selective"] < mem["none"]
+    cluster = cl((mem["selective"] + mem["none"]) // 2)
+    r = search(c, cluster, gb, micro_batch=1)
+    assert [s.recompute for s in r.plan.stages] == ["selective"]
+    check_plan_is_sound(r.plan, c, cluster)
+    # with room for none, none; with room only for full, full
+    assert [s.recompute for s in search(c, cl(mem["none"] + GiB), gb, micro_batch=1).plan.stages] \
+        == ["none"]
+    tight = cl((mem["full"] + mem["selective"]) // 2)
+    assert [s.recompute for s in search(c, tight, gb, micro_batch=1).plan.stages] == ["full"]
+
+
 # -- h2c plan -----------------------------------------------------------------------------------
 
 CLUSTER_TOML = """
@@ -259,6 +294,10 @@ def test_cli_json_report_and_plan_file_round_trip(plan_inputs, tmp_path, capsys)
         assert s["peak_mem_bytes"] <= s["mem_capacity_bytes"]
     assert r["hetero_speedup_ratio"] > 0
     assert r["step_time_s"] <= r["uniform"]["step_time_s"]
+    # what the search proved, derived from its bounds (exact only when the bound reaches it)
+    proof = r["search"]
+    assert {"exact", "search", "stopped_by", "lower_bound_s", "gap_to_bound", "proved"} <= set(proof)
+    assert proof["exact"] == (proof["lower_bound_s"] >= r["step_time_s"] * (1 - 1e-9))
     assert any(e.get("ph") == "X" for e in json.loads(trace.read_text())["traceEvents"])
     # the written plan is accepted back, and predicts the same step
     assert main([cj, "--cluster", ct, "--plan", str(out), "--json", "--no-speedup"]) == 0
@@ -310,7 +349,50 @@ def test_plan_space_dimensions_switch_off():
             assert len({c for c, _ in runs}) == len(runs)     # each type one contiguous block
     wide = search(costs, cluster, gb)
     assert wide.best.step_time_s <= search(costs, cluster, gb, space=NARROW).best.step_time_s + 1e-12
-    assert len({c for c, _ in _runs(wide.plan)}) < len(_runs(wide.plan))   # an A-B-A order wins here
+
+
+def test_a_type_in_part_one_slow_big_chip_for_the_embedding():
+    """Two slow chips with room for a 64k-vocabulary embedding, two fast ones without: using
+    one slow chip for the embedding alone and leaving the other idle beats every plan that
+    uses both (each slow stage must then hold a layer, or the pair runs tp 2 over a slow NIC):
+    the space has partial use of a type (issue 25 item 4)."""
+    import dataclasses
+    big_vocab = analytic_llama_costs("emb", 6, 512, 8, 2048, 64000, 256, dtype_bytes=2)
+    small_head = analytic_llama_costs("emb", 6, 512, 8, 2048, 4000, 256, dtype_bytes=2)
+    costs = dataclasses.replace(big_vocab, layers=big_vocab.layers[:-1] + small_head.layers[-1:])
+    block, vocab = (4 * 512 * 512 + 3 * 512 * 2048) * 16, 64000 * 512 * 16
+    chips = {"Big": ChipType("Big", "cuda", "v", {"bf16": 10e12}, int(vocab * 1.6), 1e12,
+                             efficiency=0.5, **NO_HEADROOM),
+             "Fast": ChipType("Fast", "cuda", "v", {"bf16": 200e12}, int(block * 5), 2e12,
+                              efficiency=0.5, **NO_HEADROOM)}
+    cl = Cluster("part", chips, (NodeGroup("Big", 2, 1, intra_bw=100e9, nic_bw=0.2e9),
+                                 NodeGroup("Fast", 1, 2, intra_bw=100e9, nic_bw=25e9)),
+                 dtype="bf16")
+    r = search(costs, cl, 8)
+    check_plan_is_sound(r.plan, costs, cl)
+    assert [(s.chip, len(s.layers)) for s in r.plan.stages][0] == ("Big", 1)
+    assert sum(s.chips for s in r.plan.stages if s.chip == "Big") == 1 and r.exact
+    full = search(costs, cl, 8, space=PlanSpace(partial=False))
+    assert r.best.step_time_s < 0.9 * full.best.step_time_s
+
+
+def test_an_a_b_a_order_wins_where_only_one_type_holds_the_vocabulary():
+    """A slow type with room for the embedding or the head (a 64k vocabulary), a fast one with
+    room for blocks only: the embedding and the head go to the slow chips, one each, at both
+    ends of the line (A-B-A), and the fast pair runs every block at tp 2."""
+    costs = analytic_llama_costs("aba", 6, 512, 8, 2048, 64000, 256, dtype_bytes=2)
+    block, vocab = (4 * 512 * 512 + 3 * 512 * 2048) * 16, 64000 * 512 * 16
+    chips = {"Big": ChipType("Big", "cuda", "v", {"bf16": 20e12}, int(vocab * 1.6), 1e12,
+                             efficiency=0.5, **NO_HEADROOM),
+             "Fast": ChipType("Fast", "cuda", "v", {"bf16": 200e12}, int(block * 4), 2e12,
+                              efficiency=0.5, **NO_HEADROOM)}
+    cl = Cluster("aba", chips, (NodeGroup("Big", 2, 1, intra_bw=100e9, nic_bw=25e9),
+                                NodeGroup("Fast", 1, 2, intra_bw=100e9, nic_bw=25e9)), dtype="bf16")
+    r = search(costs, cl, 8)
+    check_plan_is_sound(r.plan, costs, cl)
+    assert [(s.chip, s.tp, len(s.layers)) for s in r.plan.stages] == \
+        [("Big", 1, 1), ("Fast", 2, 6), ("Big", 1, 1)]
+    assert r.exact
 
 
 def test_time_limit_returns_the_best_plan_so_far():
@@ -320,6 +402,26 @@ def test_time_limit_returns_the_best_plan_so_far():
     assert r.timed_out and not r.exact
     check_plan_is_sound(r.plan, costs, load_cluster("h2-1024"))
     assert r.best.sim is not None and r.best.sim.fits
+
+
+def test_exact_is_derived_from_the_bounds_and_cannot_claim_more(monkeypatch):
+    """`exact` is true only when nothing left unsimulated has a bound below the chosen plan;
+    a search cut short by its simulation budget says what it proved instead."""
+    import h2ir.planner.search as heteroauto
+    costs, cluster, gb = random_instance(5)
+    with monkeypatch.context() as mp:
+        mp.setattr(heteroauto, "SIM_WORK_MIN", 10 ** 12)     # no budget: run to the bound
+        full = search(costs, cluster, gb, max_sims=10 ** 6)
+    p = full.proof()
+    assert full.exact and p["exact"] and p["stopped_by"] == "bound"
+    assert p["lower_bound_s"] == full.best.step_time_s and p["gap_to_bound"] == 0
+    cut = search(costs, cluster, gb, max_sims=1)
+    q = cut.proof()
+    assert q["stopped_by"] == "simulation budget"
+    assert q["lower_bound_s"] <= full.best.step_time_s * (1 + 1e-9)   # a true lower bound
+    assert cut.exact == (cut.unexplored_bound_s >= cut.best.step_time_s * (1 - 1e-9))
+    if not cut.exact:
+        assert q["gap_to_bound"] > 0 and "no plan" in q["proved"]
 
 
 def test_searching_both_schedules():

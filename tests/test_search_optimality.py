@@ -1,14 +1,17 @@
-"""HeteroAuto against an independent brute force over its declared plan space, judged by the
-simulator.
+"""HeteroAuto against an independent brute force over a part of its plan space, judged by the
+simulator, on mid-sized instances.
 
 The brute force below shares no code with the search: it enumerates every plan of the space
-described in docs/planning.md ("The plan space") directly — dp, each chip type's stage sequence
-(one tp, or a higher tp on its first stages and a lower one on the rest; chips beyond a whole
-stage, or a whole type, idle), every order of the types' blocks with at most one type cut into
-two blocks (A-B-A), every contiguous layer split, recomputation only where a stage does not fit
-otherwise — checks each stage's memory with `stage_memory` and simulates every plan that fits
-with `simulate` (every tp rank). HeteroAuto's chosen plan must be within 1 % of the best on
->= 95 % of the instances and never more than 5 % slower.
+HeteroAuto searched before it learned to use a chip type in part (docs/planning.md, "The plan
+space", less partial use, lower-tp-first sequences and TP across nodes) directly — dp, each chip
+type's stage sequence (one tp, or a higher tp on its first stages and a lower one on the rest;
+chips beyond a whole stage, or a whole type, idle), every order of the types' blocks with at
+most one type cut into two blocks (A-B-A), every contiguous layer split, recomputation only
+where a stage does not fit otherwise — checks each stage's memory with `stage_memory` and
+simulates every plan that fits with `simulate` (every tp rank). HeteroAuto's chosen plan must be
+within 1 % of (or better than: its space is larger) the best on >= 95 % of the instances and
+never more than 5 % slower. The whole space — every plan the validator accepts — is checked on
+tiny clusters in tests/test_planner_bruteforce.py (it is too large to enumerate here).
 
 Instances: 2-3 chip types, 8-32 chips, 8-16 layers, random speeds, memory, node shapes and
 links, seeded. Seeds whose space holds more than MAX_PLANS plans are skipped (the brute force
@@ -198,14 +201,21 @@ def _schedules(schedule):
 
 
 def compare(seed):
+    """(gap, plans simulated), or None for an instance where nothing fits (the seeds were
+    listed under an earlier memory model: TP without sequence parallelism keeps more)."""
     costs, cluster, gb, mb, schedule = instance(seed)
     best, n = brute_force(costs, cluster, gb, mb, _schedules(schedule))
+    if n == 0:
+        try:
+            search(costs, cluster, gb, micro_batch=mb, schedule=schedule)
+        except H2Error:
+            return None
     r = search(costs, cluster, gb, micro_batch=mb, schedule=schedule)
     validate_plan(r.plan, costs, cluster)     # the validator accepts what the search emits
     assert parse_plan(format_plan(r.plan)) == r.plan
     full = simulate(costs, r.plan, cluster, record=False).step_time_s   # the judge: every rank
     assert full == pytest.approx(r.best.step_time_s, rel=1e-9)
-    assert full >= best * (1 - 1e-9)          # nothing beats the brute-force optimum
+    # (below 0: a plan outside the brute force's part of the space, e.g. a type used in part)
     return full / best - 1, n
 
 
@@ -216,17 +226,18 @@ def check(gaps):
 
 
 def test_heteroauto_is_the_brute_force_optimum_on_small_instances():
-    gaps = [compare(s)[0] for s in seeds(4)]
+    gaps = [c[0] for c in map(compare, seeds(4)) if c is not None]
     check(gaps)
 
 
 @pytest.mark.slow
 def test_heteroauto_is_the_brute_force_optimum_on_45_instances():
-    rows = [(s, *compare(s)) for s in seeds(45)]
+    rows = [(s, *c) for s, c in ((s, compare(s)) for s in seeds(45)) if c is not None]
     gaps = [g for _, g, _ in rows]
     print(f"\n{len(rows)} instances, {sum(n for *_, n in rows):,} plans simulated; within 1%: "
-          f"{sum(g <= 0.01 for g in gaps)}, exact: {sum(g <= 1e-9 for g in gaps)}, "
-          f"mean gap {sum(gaps) / len(gaps):.3%}, worst {max(gaps):.3%}")
+          f"{sum(g <= 0.01 for g in gaps)}, exact: {sum(abs(g) <= 1e-9 for g in gaps)}, "
+          f"better: {sum(g < -1e-9 for g in gaps)}, mean gap {sum(gaps) / len(gaps):.3%}, "
+          f"worst {max(gaps):.3%}")
     check(gaps)
 
 

@@ -48,6 +48,17 @@ class NumpyBackend:
     def to_numpy(self, t: np.ndarray) -> np.ndarray:
         return np.asarray(t)
 
+    def storage(self, t) -> tuple | None:
+        """(key, bytes) of the buffer `t` views (its base-most array); None for a non-array."""
+        if not isinstance(t, np.ndarray):
+            return None
+        while isinstance(t.base, np.ndarray):
+            t = t.base
+        return t.__array_interface__["data"][0], t.nbytes
+
+    def device_peak(self) -> None:
+        return None
+
     def zeros(self, shape: tuple, dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), dtype=NP_DTYPE[dtype])
 

@@ -65,6 +65,22 @@ class TorchBackend:
     def dtype_of(self, t: torch.Tensor) -> str:
         return H2_DTYPE[t.dtype]
 
+    def storage(self, t) -> tuple | None:
+        """(key, bytes) of the memory `t` lives in (views share it); None for a non-tensor."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+
+    def device_peak(self) -> int | None:
+        """On CUDA, the allocator's peak of allocated bytes since the last call (then reset);
+        None on the CPU (backends/memory.py counts live tensors there)."""
+        if self.device.type != "cuda":
+            return None
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -20,6 +20,8 @@ Worker:
     arr = comm.recv(src, kind="act", mb=0, view=True)      # shm: read-only view, valid until the
                                                            # next recv from src or comm.release()
     comm.all_reduce([grad_a, grad_b], group=[0, 2], op="avg")   # in place, ring algorithm
+    shard = comm.reduce_scatter(flat, group=[0, 2], op="avg")  # its two halves (ZeRO-1):
+    whole = comm.all_gather(shard, group=[0, 2], size=flat.size)   # shard_bounds cuts
     outs = comm.all_to_all([to_r0, to_r1], group=[0, 1])       # outs[i] came from group[i]
     comm.barrier([0, 1, 2])
     comm.close()
@@ -35,7 +37,8 @@ transport each opened link really uses (and why, when it is not the requested on
 Frame format, transports, handshake and measured figures: docs/dicomm.md.
 Benchmark: `h2x bench-comm` (executor.dicomm.bench.bench_main).
 """
-from executor.dicomm.comm import DEFAULT_TIMEOUT, TRANSPORTS, Comm, connect, describe_links
+from executor.dicomm.comm import (DEFAULT_TIMEOUT, TRANSPORTS, Comm, connect, describe_links,
+                                  shard_bounds)
 from executor.dicomm.errors import CommError
 from executor.dicomm.checksum import DIGEST_IMPL
 from executor.dicomm.frame import (DTYPES, Header, decode_frame, dtype_name,
@@ -47,4 +50,5 @@ from executor.dicomm.rendezvous import host_store, reserve_store
 
 __all__ = ["connect", "Comm", "CommError", "Frame", "Header", "host_store", "reserve_store",
            "new_secret", "encode_frame", "decode_frame", "to_bf16", "from_bf16", "dtype_name",
-           "DTYPES", "TRANSPORTS", "DEFAULT_TIMEOUT", "DIGEST_IMPL", "rdma_probe", "describe_links"]
+           "DTYPES", "TRANSPORTS", "DEFAULT_TIMEOUT", "DIGEST_IMPL", "rdma_probe", "describe_links",
+           "shard_bounds"]

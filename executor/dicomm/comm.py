@@ -38,6 +38,13 @@ _FALLBACK_ORDER = {"rdma": ("rdma", "shm", "tcp"), "shm": ("shm", "tcp"), "tcp":
 log = logging.getLogger("h2.dicomm")
 
 
+def shard_bounds(size: int, n: int) -> list[int]:
+    """Where the n shards of a flat array of `size` elements begin (and the last ends): n + 1
+    offsets, shard k = [b[k], b[k + 1]), contiguous and near-equal (sizes differ by at most
+    one element). `reduce_scatter` and `all_gather` cut by it, ZeRO-1 partitions by it."""
+    return [k * size // n for k in range(n + 1)]
+
+
 def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_port: int = 29400,
             secret: str | bytes | None = None, *, transport: str = "tcp", fallback: bool = True,
             timeout: float = DEFAULT_TIMEOUT, host: str = "127.0.0.1", namespace: str = "dicomm",
@@ -246,33 +253,92 @@ class Comm:
                     a[...] = to_bf16(part) if name == "bf16" else part
                     offset += a.size
 
+    def reduce_scatter(self, flat: np.ndarray, group: list[int], op: str = "avg") -> np.ndarray:
+        """The ring all-reduce's first half: every member passes a 1-D array of one size and
+        dtype; returns this rank's shard of the sum (or mean) over the group,
+        `flat[b[r]:b[r + 1]]` with b = `shard_bounds(flat.size, len(group))` and r the rank's
+        index in `group`. The shard is a view of `flat`, which is the ring's scratch: its other
+        shards hold partial sums afterwards. Each element is summed in the order `all_reduce`
+        sums it, so ZeRO-1's gradients equal the all-reduced ones bit for bit."""
+        group, n, r, flat = self._ring_args("reduce_scatter", flat, group, op)
+        kind = f"reduce_scatter#{self._next_seq('reduce_scatter', group)}"
+        b = shard_bounds(flat.size, n)
+        self._ring_reduce_scatter(flat, group, kind, b)
+        mine = flat[b[r]:b[r + 1]]
+        if op == "avg":
+            mine /= n
+        return mine
+
+    def all_gather(self, part: np.ndarray, group: list[int], size: int) -> np.ndarray:
+        """The ring all-reduce's second half: every member passes its shard of a 1-D array of
+        `size` elements (rank index r: `shard_bounds(size, n)[r:r + 2]`, as `reduce_scatter`
+        returns it); returns the whole array, a new one, the same on every member."""
+        group, n, r, part = self._ring_args("all_gather", part, group, "")
+        b = shard_bounds(size, n)
+        if part.size != b[r + 1] - b[r]:
+            raise ValueError(f"all_gather: rank index {r} of {n} holds elements {b[r]}.."
+                             f"{b[r + 1]} of {size}, got {part.size}")
+        out = np.empty(size, dtype=part.dtype)
+        out[b[r]:b[r + 1]] = part
+        self._ring_all_gather(out, group, f"all_gather#{self._next_seq('all_gather', group)}",
+                              b, 0)
+        return out
+
+    def _ring_args(self, what: str, flat, group, op: str):
+        group = self._check_group(group)
+        if not isinstance(flat, np.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
+            raise ValueError(f"{what} takes a contiguous 1-D numpy array")
+        if what == "reduce_scatter" and not flat.flags.writeable:
+            raise ValueError("reduce_scatter reduces in place: pass a writeable array")
+        name = dtype_name(flat.dtype)
+        if what == "reduce_scatter" and (op not in ("sum", "avg") or name in ("bool", "bf16") or (
+                op == "avg" and name in ("i32", "i64"))):
+            raise ValueError(f"{what} op {op!r} is not defined for {name} arrays")
+        return group, len(group), group.index(self.rank), flat
+
     def _ring_all_reduce(self, flat: np.ndarray, group: list[int], kind: str) -> None:
+        """Reduce-scatter then all-gather (Patarasuk & Yuan 2009; Thakur et al. 2005 Sec. 4)."""
+        b = shard_bounds(flat.size, len(group))
+        self._ring_reduce_scatter(flat, group, kind, b)
+        self._ring_all_gather(flat, group, kind, b, len(group) - 1)
+
+    def _ring_reduce_scatter(self, flat: np.ndarray, group: list[int], kind: str,
+                             b: list[int]) -> None:
+        """In place: afterwards the rank at index r holds the group's sum of shard r. Step s
+        sends shard r-s-1 to the right and adds the left's shard r-s-2 into its own, so after
+        n-1 steps shard r is summed over every rank; tags: mb = step."""
+        n, r, right, left, chunk = self._ring(flat, group, b)
+        for s in range(n - 1):
+            self.send(right, chunk(r - s - 1), kind=kind, mb=s)
+            incoming = self._ring_recv(left, kind, s, chunk(r - s - 2))
+            np.add(chunk(r - s - 2), incoming, out=chunk(r - s - 2))
+            self.release(left)
+
+    def _ring_all_gather(self, flat: np.ndarray, group: list[int], kind: str, b: list[int],
+                         mb0: int) -> None:
+        """In place: the rank at index r holds shard r of `flat`; afterwards every shard, passed
+        round the ring (tags: mb = mb0 + step)."""
+        n, r, right, left, chunk = self._ring(flat, group, b)
+        for s in range(n - 1):
+            self.send(right, chunk(r - s), kind=kind, mb=mb0 + s)
+            chunk(r - s - 1)[...] = self._ring_recv(left, kind, mb0 + s, chunk(r - s - 1))
+            self.release(left)
+
+    def _ring(self, flat: np.ndarray, group: list[int], b: list[int]):
+        """(n, this rank's index, right and left neighbours, chunk(c): shard c mod n of flat)."""
         n = len(group)
         r = group.index(self.rank)
-        right, left = group[(r + 1) % n], group[(r - 1) % n]
-        bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
 
         def chunk(c: int) -> np.ndarray:
             c %= n
-            return flat[bounds[c]:bounds[c + 1]]
-
-        # Reduce-scatter: after step s, rank r holds the partial sum of chunk r-s-1 over s+2
-        # ranks; after n-1 steps it holds the full sum of chunk r+1.
-        for s in range(n - 1):
-            self.send(right, chunk(r - s), kind=kind, mb=s)
-            incoming = self._ring_recv(left, kind, s, chunk(r - s - 1))
-            np.add(chunk(r - s - 1), incoming, out=chunk(r - s - 1))
-            self.release(left)
-        # All-gather: pass the finished chunks around the ring.
-        for s in range(n - 1):
-            self.send(right, chunk(r + 1 - s), kind=kind, mb=n - 1 + s)
-            chunk(r - s)[...] = self._ring_recv(left, kind, n - 1 + s, chunk(r - s))
-            self.release(left)
+            return flat[b[c]:b[c + 1]]
+        return n, r, group[(r + 1) % n], group[(r - 1) % n], chunk
 
     def _ring_recv(self, left: int, kind: str, step: int, like: np.ndarray) -> np.ndarray:
         got = self.recv(left, kind, step, view=True)
         if got.shape != like.shape or got.dtype != like.dtype:
-            raise CommError(f"all_reduce mismatch: rank {left} sent {got.dtype}{list(got.shape)} "
+            raise CommError(f"{kind.split('#')[0]} mismatch: rank {left} sent "
+                            f"{got.dtype}{list(got.shape)} "
                             f"where rank {self.rank} has {like.dtype}{list(like.shape)} (the group "
                             f"members passed different arrays)", left)
         return got

@@ -17,7 +17,8 @@ Model-state accounting (bytes per parameter, per device, before dividing by TP):
 The planning issue quotes "12 B/param for fp32 AdamW": that is the persistent state
 (weights 4 + m 4 + v 4). We also count the 4 B/param gradient buffer as its own item, because
 under 1F1B it is live from the first backward until `opt_step`, i.e. for most of the step, so a
-device that only fits 12 B/param would run out of memory in the middle of the step.
+device that only fits 12 B/param would run out of memory in the middle of the step. A ZeRO-1
+stage (`zero=1`) keeps 1/dp of the optimizer column on each replica (`stage_memory`).
 """
 from __future__ import annotations
 
@@ -77,12 +78,30 @@ def costs_at(costs: ModelCosts, micro_batch: int, seq_len: int) -> ModelCosts:
     length scaling is linear in tokens, which under-counts attention's s^2 score term; the CLI
     therefore captures the model at the plan's sequence length and this path is a fallback.
     """
+    # memoised on the object (the search asks once per stage of every candidate plan); the hit
+    # must be the same object, not a reused id
+    key = (id(costs), micro_batch, seq_len)
+    hit = _COSTS_AT.get(key)
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    if len(_COSTS_AT) > 256:
+        _COSTS_AT.clear()
+    c = _COSTS_AT[key] = (costs, _costs_at(costs, micro_batch, seq_len))
+    return c[1]
+
+
+_COSTS_AT: dict = {}
+
+
+def _costs_at(costs: ModelCosts, micro_batch: int, seq_len: int) -> ModelCosts:
     c = costs.scaled(micro_batch)
     if seq_len and c.seq_len and seq_len != c.seq_len:
         r = seq_len / c.seq_len
         layers = tuple(dataclasses.replace(
             l, fwd_flops=int(l.fwd_flops * r), bwd_flops=int(l.bwd_flops * r),
-            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r))
+            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r),
+            act_selective_bytes=None if l.act_selective_bytes is None
+            else int(l.act_selective_bytes * r))
             for l in c.layers)
         c = dataclasses.replace(c, seq_len=seq_len, layers=layers)
     return c
@@ -226,7 +245,12 @@ class LayerArrays:
         self.costs = costs
         self.layers = costs.layers
         self.L = len(costs.layers)
-        self.act_scale = dtype_bytes(cluster_dtype) / max(1, costs.dtype_bytes)
+        # Saved activations and boundary tensors keep the program's (traced) dtype whatever the
+        # cluster's training dtype: the torch backend's bf16 policy casts only the inputs of the
+        # matrix ops and returns f32 (backends/torch/runtime.py, `dtype_policy`), and numpy
+        # computes in the traced dtype; the cluster dtype sets the matmul rate, not these bytes.
+        self.act_scale = 1.0
+        self.act_width = max(1, costs.dtype_bytes)          # bytes per activation element
         self.state = state_bytes_per_param(cluster_dtype)
         self.grad_bytes = self.state.grads
         a = lambda f: np.array([f(l) for l in self.layers], dtype=np.float64)
@@ -236,18 +260,43 @@ class LayerArrays:
         self.fwd_flops = a(lambda l: l.fwd_flops)
         self.bwd_flops = a(lambda l: l.bwd_flops)
         self.act = a(lambda l: l.act_saved_bytes) * self.act_scale
+        # under selective recomputation (h2ir/recompute.py), as a fraction of `act`
+        self.sel_frac = np.divide(a(lambda l: l.selective_bytes()), a(lambda l: l.act_saved_bytes),
+                                  out=np.ones(self.L), where=self.act > 0)
         self.out = a(lambda l: l.out_bytes) * self.act_scale
         # Expert activations of the routed tokens at EP=1 (Piper's term, in the cluster dtype):
         # the part of act_saved_bytes that expert parallelism divides.
         b, s = costs.micro_batch, costs.seq_len
-        bpe = dtype_bytes(cluster_dtype)
+        bpe = self.act_width
         self.expert_act = a(lambda l: (bpe * b * s * l.moe.top_k * (3 * l.moe.d_ffn + l.moe.d_model))
                             if l.moe else 0.0)
         self.expert_act = np.minimum(self.expert_act, self.act)
         self.is_block = np.array([l.kind in ("transformer_block", "moe_block") for l in self.layers])
         self.is_embed = np.array([l.kind == "embedding" for l in self.layers])
+        self.act_rep = self._tp_replicated()
         self.names = [l.name for l in self.layers]
         self._dev: dict = {}
+
+    def _tp_replicated(self) -> np.ndarray:
+        """Per layer, the saved-activation bytes every TP rank keeps whole: tensor parallelism
+        without sequence parallelism (frontend/tensor_parallel.py: column/row-parallel linears,
+        attention by heads, an all-reduce back to a replicated residual stream) divides the
+        attention and MLP internals by t, but not the norms' inputs and outputs (the residual
+        stream entering each sub-block and the first linear's input): Korthikanti et al. 2022
+        Sec. 4.2.1, Eq. 2, the 10sbh of sbh(10 + 24/t + 5as/ht) — LayerNorm inputs 4sbh, QKV and
+        MLP inputs 2sbh each in 16 bit, dropout masks 2sbh. A pre-norm block keeps 4 tensors of
+        its b*s*d output's size replicated (no dropout in the traced models); the head its final
+        norm's input and output (the logits are vocabulary-parallel); other layers (embedding)
+        run replicated."""
+        rep = np.array(self.act)
+        prev_out = 0.0
+        for i, l in enumerate(self.layers):
+            if self.is_block[i]:
+                rep[i] = min(self.act[i] - self.expert_act[i], 4.0 * self.out[i])
+            elif l.kind == "head":
+                rep[i] = min(self.act[i], 2.0 * prev_out)
+            prev_out = self.out[i]
+        return rep
 
     def device(self, tp: int, ep: int = 1, capacity: float | None = None) -> "DeviceArrays":
         key = (tp, ep, capacity)
@@ -268,44 +317,106 @@ class DeviceArrays:
         # Dense parameters split over TP (Megatron-LM, Shoeybi et al. 2019 Sec. 3); experts split
         # over EP (Piper: expert state / EP).
         self.params = la.dense_params / tp + la.expert_params / ep
-        # Activations: Korthikanti et al. 2022 ("Reducing activation recomputation") Sec. 4.2.2 —
-        # with tensor + sequence parallelism every activation term of a block divides by t;
-        # routed-expert activations divide by EP instead (Piper). With a capacity factor F
-        # (`moe capacity=F`) every expert's buffer is padded to F x its even share of the
-        # routed tokens (GShard, Lepikhin et al. 2020 Sec. 2.2), so the term scales by F; without
-        # one (no token dropped) it is the even share, Piper's k/EP.
-        self.act = (la.act - la.expert_act) / tp + la.expert_act * (capacity or 1.0) / ep
-        self.out = la.out / tp
+        # Activations: tensor parallelism without sequence parallelism (what h2 runs) divides
+        # the attention / MLP internals by t and keeps the norms' inputs and outputs whole on
+        # every rank (`LayerArrays.act_rep`; Korthikanti et al. 2022 Sec. 4.2.1); routed-expert
+        # activations divide by EP instead (Piper). With a capacity factor F (`moe capacity=F`)
+        # every expert's buffer is padded to F x its even share of the routed tokens (GShard,
+        # Lepikhin et al. 2020 Sec. 2.2), so the term scales by F; without one (no token
+        # dropped) it is the even share, Piper's k/EP.
+        self.act = (la.act_rep + (la.act - la.expert_act - la.act_rep) / tp
+                    + la.expert_act * (capacity or 1.0) / ep)
+        # A layer's input and output (the residual stream) are whole on every TP rank: the
+        # all-reduce ends each block replicated, so full recomputation's kept inputs and the
+        # p2p receive buffers are not divided by t (Korthikanti et al. Sec. 4.2.1 / Table 2:
+        # full recompute keeps 2sbhL without sequence parallelism, 2sbhL/t with it).
+        self.out = la.out
         self.P_params = _prefix(self.params)
         self.P_act = _prefix(self.act)
+        self.P_act_sel = _prefix(self.act * la.sel_frac)
+        self.L = la.L
         self.P_out = _prefix(self.out)
-        # [a, e] -> the largest one-layer activation among layers a..e: the working set that
-        # full recomputation re-creates (only e >= a is meaningful)
-        L = la.L
-        self.act_range_max = np.zeros((L, L))
-        for i in range(L):
+        self.act_sel = self.act * la.sel_frac
+        # the logits a rank holds for the loss: TP makes the head and the loss vocabulary-
+        # parallel (frontend/tensor_parallel.py); that log-softmax's backward is decomposed into
+        # three logits-sized tensors where the fused one holds two
+        self.logits = (la.out[-1] / tp) if la.L else 0.0
+        self.loss_bwd = 3.0 if tp > 1 else 2.0
+        # [a, e] -> the largest one-layer activation among layers a..e
+        self.act_range_max = np.zeros((la.L, la.L))
+        for i in range(la.L):
             self.act_range_max[i, i:] = np.maximum.accumulate(self.act[i:])
+        self.grad = self.params * la.grad_bytes
+        self.P_grad = _prefix(self.grad)
+        self._terms: dict = {}
 
-    def range_max_act(self, a: int, b: int) -> float:
-        return float(self.act_range_max[a, b - 1])
+    def transient(self, mode: str) -> np.ndarray:
+        """Per layer, what its backward creates beyond the saved activations: the values
+        recomputation re-makes (selective: those it dropped; full: all of the layer's) and, for
+        the model's last layer, the loss's backward, which holds the gradients of the
+        log-probabilities and of the logits at once (full: the log-probabilities re-made too)."""
+        t = {"none": np.zeros(self.L), "selective": self.act - self.act_sel,
+             "full": self.act.copy()}[mode]
+        if self.L:
+            t[-1] += (self.loss_bwd + (mode == "full")) * self.logits
+        return t
+
+    def memory_terms(self, mode: str) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per_mb), L x L: a stage of layers [a, b) under recomputation `mode` holds
+        fixed[a, b-1] + inflight * per_mb[a, b-1] bytes besides its weights, gradients and
+        optimizer state (`memory_items` itemises the same terms; the search reads these)."""
+        if mode not in self._terms:
+            L = self.L
+            a = np.arange(L)[:, None]
+            b = np.arange(1, L + 1)[None, :]
+            out, Pout = self.out, np.asarray(self.P_out)
+            last = b == L
+            into = np.where(a > 0, out[np.maximum(a - 1, 0)], 0.0)   # the stage's input
+            if mode == "full":   # each layer's input: the stage's, then layers a..b-2's outputs
+                per_mb = into + Pout[np.maximum(b - 1, a)] - Pout[a]
+            else:
+                P = np.asarray(self.P_act_sel if mode == "selective" else self.P_act)
+                per_mb = P[b] - P[a] + np.where(last, self.logits, 0.0)   # the loss
+            p2p = into + np.where(last, 0.0, out[b - 1])
+            # the backward's peak beyond what is held: walking layers b-1 .. a, the parameter
+            # gradients made so far (the program returns them together) plus the layer's own
+            # transient, or all of the stage's gradients at the end
+            Pg = np.asarray(self.P_grad)
+            u = self.transient(mode) - Pg[1:]
+            umax = np.full((L, L), -np.inf)
+            for i in range(L):
+                umax[i, i:] = np.maximum.accumulate(u[i:])
+            ws = Pg[b] + np.maximum(umax, -Pg[a])
+            per_mb = np.where(b > a, per_mb, 0.0)
+            self._terms[mode] = (np.where(b > a, p2p + ws, 0.0), per_mb)
+        return self._terms[mode]
 
 
 def memory_items(la: LayerArrays, dev: DeviceArrays, a: int, b: int, inflight: int,
                  recompute: str) -> dict:
-    """Per-device bytes of a stage that holds layers [a, b)."""
+    """Per-device bytes of a stage that holds layers [a, b) at the peak of a backward (1F1B's
+    steady state: every in-flight micro-batch's saved activations held)."""
     p = dev.P_params[b] - dev.P_params[a]
     st = la.state
     items = {"weights": p * st.weights, "grads": p * st.grads, "optimizer": p * st.optimizer}
+    last = b == dev.L
+    into = dev.out[a - 1] if a > 0 else 0.0
     if recompute == "full":
         # Full recomputation (Chen et al. 2016; Korthikanti et al. 2022 Sec. 4.1): keep only each
-        # layer's input for every in-flight micro-batch, plus one layer's saved activations while
-        # that layer's backward re-runs its forward.
-        items["activations"] = inflight * (dev.P_out[b] - dev.P_out[a])
-        items["recompute_working_set"] = dev.range_max_act(a, b)
+        # layer's input for every in-flight micro-batch; the layer's backward re-makes the rest
+        # (`DeviceArrays.transient`)
+        items["activations"] = inflight * (into + dev.P_out[b - 1] - dev.P_out[a])
     else:
-        items["activations"] = inflight * (dev.P_act[b] - dev.P_act[a])
+        P = dev.P_act_sel if recompute == "selective" else dev.P_act
+        items["activations"] = inflight * (P[b] - P[a])
+        if last:
+            # the loss, a cross-entropy over the logits (h2's default, every causal LM's): it
+            # saves log-probabilities the size of the logits per in-flight micro-batch
+            items["loss"] = inflight * dev.logits
     # receive buffers: the incoming boundary activation and the incoming output gradient
-    items["p2p_buffers"] = (dev.out[a - 1] if a > 0 else 0.0) + dev.out[b - 1]
+    items["p2p_buffers"] = into + (0.0 if last else dev.out[b - 1])
+    fixed, _ = dev.memory_terms(recompute)
+    items["backward_working_set"] = fixed[a, b - 1] - items["p2p_buffers"]
     return {k: int(v) for k, v in items.items()}
 
 
@@ -351,15 +462,26 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
                                          plan.num_microbatches, virtual=plan.virtual)
     chip = cluster.chip(st.chip)
     items = memory_items(la, dev, a, b, inflight, st.recompute)
+    if plan.virtual == 1 and inflight >= plan.num_microbatches > 1:
+        # every micro-batch's forward runs before the first backward (GPipe, or 1F1B with
+        # m <= S - j): the step's gradient sums first exist once that backward has released
+        # its micro-batch's activations
+        per_mb = (items["activations"] + items.get("loss", 0)) / inflight
+        items["grads"] = int(max(0.0, items["grads"] - per_mb))
+    if st.zero and plan.dp > 1:
+        # ZeRO-1 (Rajbhandari et al. SC'20, Sec. 5.1, P_os): a replica keeps the optimizer state
+        # of its 1/dp shard of the stage's parameters (executor/zero.py: shards differ by at
+        # most one element)
+        items["optimizer"] = -(-items["optimizer"] // plan.dp)
     copies = tied_copy_bytes(costs, plan, stage_index)
     if copies:     # a copy of a tied parameter: weights and a gradient buffer, no optimizer state
         items["tied_copies"] = int(copies * (la.state.weights + la.state.grads) / st.tp)
     scores = attention_score_bytes(la, chip, st.tp, a, b)
     if scores:
         # without recomputation every in-flight micro-batch keeps every block's scores; with
-        # full recomputation only the block being re-run holds them
+        # either recomputation (both re-make the attention core) only the re-run block has them
         nb = max(1, int(la.is_block[a:b].sum()))
-        items["attention_scores"] = int(scores / nb if st.recompute == "full" else scores * inflight)
+        items["attention_scores"] = int(scores / nb if st.recompute != "none" else scores * inflight)
     return MemoryBreakdown(capacity=device_capacity(chip), items=items, inflight=inflight)
 
 
@@ -379,7 +501,7 @@ def attention_score_bytes(la: "LayerArrays", chip: ChipType, tp: int, a: int, b:
     if chip.fused_attention or not la.costs.n_heads:
         return 0.0
     c = la.costs
-    per_block = c.micro_batch * c.n_heads * c.seq_len ** 2 * la.act_scale * c.dtype_bytes
+    per_block = c.micro_batch * c.n_heads * c.seq_len ** 2 * la.act_width
     return float(la.is_block[a:b].sum()) * per_block / tp
 
 
@@ -442,9 +564,15 @@ def group_allreduce_time(nbytes: float, g: NodeGroup, geo: GroupGeometry) -> flo
     return min(flat, hier)
 
 
-def tp_allreduce_time(nbytes: float, g: NodeGroup, tp: int) -> float:
-    """TP groups live inside one node (tp <= chips_per_node): ring over the intra-node links."""
-    return ring_allreduce_time(nbytes, tp, g.intra_bw, g.intra_latency)
+def tp_allreduce_time(nbytes: float, g: NodeGroup, tp: int, cross: bool = False) -> float:
+    """A TP group inside one node rings over the intra-node links; one that spans nodes (tp >
+    chips_per_node, or `cross`: a group the build's placement puts on two hosts; the validator
+    warns) is paced by the edges that cross a NIC, each chip's share of its node's NICs with
+    every chip in a TP ring at once (Patarasuk & Yuan 2009: a ring runs at its slowest edge)."""
+    if tp <= g.chips_per_node and not cross:
+        return ring_allreduce_time(nbytes, tp, g.intra_bw, g.intra_latency)
+    return ring_allreduce_time(nbytes, tp, min(g.intra_bw, nic_share(g)),
+                               max(g.intra_latency, g.inter_latency))
 
 
 def p2p_link(cluster: Cluster, chip_a: str, tp_a: int, chip_b: str, tp_b: int,
@@ -635,6 +763,11 @@ class LinePlacement:
         cache[key] = EPGeometry(ep=ep, per_node=per_node, nodes=nodes, nic_share=share)
         return cache[key]
 
+    def tp_crosses(self, j: int) -> bool:
+        """Some TP group of stage j has workers on two hosts (its all-reduces cross a NIC)."""
+        lay = self.layout
+        return any(len({self.hosts[w] for w in lay.tp_group(r, j)}) > 1 for r in range(lay.dp))
+
     def ep_local(self, j: int, ep: int) -> bool:
         """Every EP group of stage j (every TP rank) inside one host."""
         return ep <= 1 or self.ep_geometry(j, ep).local
@@ -717,6 +850,20 @@ def layer_op_split(la: "LayerArrays", i: int) -> tuple[float, float, float, floa
     return (l.fwd_flops - attn_f, attn_f, l.bwd_flops - attn_b, attn_b, 2.0 * la.act[i])
 
 
+def tp_memory_share(la: "LayerArrays", i: int, tp: int) -> float:
+    """The fraction of layer i's memory-bound work one of `tp` ranks does. The kernels shard
+    it as the activations are sharded (`LayerArrays.act_rep`): the elementwise work inside
+    the column/row-parallel matmuls' outputs and the attention heads divides by t; the norms
+    and residual adds on the replicated b*s*d stream run whole on every rank (Megatron-LM
+    without sequence parallelism: Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022
+    Sec. 4.2.1)."""
+    act = la.act[i]
+    if tp <= 1 or act <= 0:
+        return 1.0
+    rep = la.act_rep[i] / act
+    return rep + (1.0 - rep) / tp
+
+
 # ----------------------------------------------------------------------------------------------
 # time
 
@@ -726,6 +873,7 @@ class LayerTimes:
     fwd: list            # prefix sums, len L+1
     bwd: list            # no recomputation
     bwd_rc: list         # full recomputation: backward + a re-run forward
+    bwd_sel: list        # selective recomputation: backward + the re-made pointwise / attention work
     fwd_layer: list      # per layer (not prefix), for lower bounds
     bwd_layer: list
 
@@ -736,9 +884,11 @@ class StageTimes:
     bwd_s: float                # one micro-batch's backward (recompute included)
     send_act_s: float           # to the next stage (0 on the last)
     send_grad_s: float          # to the previous stage (0 on the first)
-    dp_allreduce_s: float
+    dp_allreduce_s: float       # with ZeRO-1: its two halves below, together
     opt_step_s: float
     tied_s: float = 0.0         # one hand-over of tied gradients / parameters (0 without ties)
+    reduce_scatter_s: float = 0.0   # ZeRO-1: the gradients' reduce-scatter ...
+    all_gather_s: float = 0.0       # ... and the updated parameters' all-gather
 
 
 class ResourceModel:
@@ -789,43 +939,52 @@ class ResourceModel:
 
     def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat",
                     tp_estimate: bool = True, ep_geo: "EPGeometry | None" = None,
-                    capacity: float | None = None) -> LayerTimes:
+                    capacity: float | None = None, tp_cross: bool = False) -> LayerTimes:
         """`tp_estimate=False` leaves out the per-layer TP all-reduce estimate (the caller adds
         the stage programs' own collectives instead: `stage_times(program_comm=...)`). `ep_geo`:
         how the stage's EP groups lie on hosts (`LinePlacement.ep_geometry`); None: node-local
-        when ep x tp fits a node, else spread as `replica_geometry` says."""
-        key = (chip, tp, ep, a2a, tp_estimate, ep_geo, capacity)
+        when ep x tp fits a node, else spread as `replica_geometry` says. `tp_cross`: the
+        stage's TP groups span hosts (`LinePlacement.tp_crosses`)."""
+        key = (chip, tp, ep, a2a, tp_estimate, ep_geo, capacity, tp_cross)
         if key in self._times:
             return self._times[key]
         r = self.rates(chip)
         g = self.cluster.group(chip)
         la = self.la
-        fwd, bwd = [], []
+        fused = self.cluster.chip(chip).fused_attention
+        fwd, bwd, rerun_rc, rerun_sel = [], [], [], []
         for i, l in enumerate(la.layers):
             measured = self._measured_layer_time(r, l)
+            share = tp_memory_share(la, i, tp)
             if measured is not None:
-                # h2c profile timings of this very layer. Under TP only the matmul share splits
-                # over the ranks (at most FLOPs / the measured matmul rate); the rest — norms,
-                # elementwise ops, per-op dispatch — runs replicated on every rank (Megatron-LM
-                # without sequence parallelism: Korthikanti et al. 2022 Sec. 4.2.1).
+                # h2c profile timings of this very layer. Under TP the matmul share (at most
+                # FLOPs / the measured matmul rate) splits over the ranks; the rest — norms,
+                # elementwise ops, per-op dispatch — splits as the activations it reads and
+                # writes do (`tp_memory_share`: the replicated stream's part runs whole).
                 mm_f = min(measured[0], l.fwd_flops / r.flops)
                 mm_b = min(measured[1], l.bwd_flops / r.flops)
-                f_c = mm_f / tp + (measured[0] - mm_f)
-                b_c = mm_b / tp + (measured[1] - mm_b)
+                f_c = mm_f / tp + (measured[0] - mm_f) * share
+                b_c = mm_b / tp + (measured[1] - mm_b) * share
+                sel = (measured[0] - mm_f) * share
             elif r.source == "measured":
                 # a measured chip without a record of this layer: FLOPs / measured matmul rate
                 self.estimated.add((chip, l.name))
                 f_c = l.fwd_flops / (tp * r.flops)
                 b_c = l.bwd_flops / (tp * r.flops)
+                sel = 0.0
             else:
                 # per op class: matmul and attention FLOPs at their achievable rates, split over
-                # TP (Megatron-LM Sec. 3); memory-bound bytes at the achievable bandwidth,
-                # replicated on every TP rank (Korthikanti et al. 2022 Sec. 4.2.1)
+                # TP (Megatron-LM Sec. 3); memory-bound bytes at the achievable bandwidth, split
+                # as the kernels split them (`tp_memory_share`)
                 mm_f, at_f, mm_b, at_b, mem = layer_op_split(la, i)
                 af = r.attn_flops or r.flops
                 bw = r.act_bw or r.mem_bw
-                f_c = (mm_f / r.flops + at_f / af) / tp + mem / bw
-                b_c = (mm_b / r.flops + at_b / af) / tp + 2 * mem / bw
+                f_c = (mm_f / r.flops + at_f / af) / tp + mem * share / bw
+                b_c = (mm_b / r.flops + at_b / af) / tp + 2 * mem * share / bw
+                # selective recomputation re-makes the pointwise values and, without a fused
+                # kernel, the attention core (Korthikanti et al. 2022 Sec. 5;
+                # frontend/recompute.py)
+                sel = mem * share / bw + (0.0 if fused else at_f / af / tp)
             if r.source == "measured":
                 b_c += self.grad_accumulation_time(r, l.params / tp)
             comm = 0.0
@@ -834,16 +993,21 @@ class ResourceModel:
                 # block output per transformer block in the forward and two in the backward; the
                 # vocab-parallel embedding needs one per pass.
                 n_ar = 2 if la.is_block[i] else (1 if la.is_embed[i] else 0)
-                comm += n_ar * tp_allreduce_time(la.out[i], g, tp)
+                comm += n_ar * tp_allreduce_time(la.out[i], g, tp, tp_cross)
             if l.moe is not None and ep > 1:
                 comm += moe_a2a_pass_time(self.costs, l.moe, g, tp, ep, a2a,
                                           ep_geo or default_ep_geometry(g, ep, tp), capacity,
                                           dtype_bytes(self.cluster.dtype))
             fwd.append(f_c + comm)
             bwd.append(b_c + comm)
+            # recomputation re-runs compute only: the collectives' results are kept
+            # (frontend/recompute.py never re-runs communication)
+            rerun_rc.append(f_c)
+            rerun_sel.append(sel)
         f = np.array(fwd)
         b = np.array(bwd)
-        lt = LayerTimes(fwd=_prefix(f), bwd=_prefix(b), bwd_rc=_prefix(b + f),
+        lt = LayerTimes(fwd=_prefix(f), bwd=_prefix(b), bwd_rc=_prefix(b + np.array(rerun_rc)),
+                        bwd_sel=_prefix(b + np.array(rerun_sel)),
                         fwd_layer=f.tolist(), bwd_layer=b.tolist())
         self._times[key] = lt
         return lt
@@ -863,10 +1027,10 @@ class ResourceModel:
     # -- one stage ---------------------------------------------------------------------------
     def compute_times(self, chip: str, tp: int, a: int, b: int, recompute: str, ep: int = 1,
                       a2a: str = "flat", tp_estimate: bool = True, ep_geo=None,
-                      capacity: float | None = None) -> tuple[float, float]:
-        lt = self.layer_times(chip, tp, ep, a2a, tp_estimate, ep_geo, capacity)
+                      capacity: float | None = None, tp_cross: bool = False) -> tuple[float, float]:
+        lt = self.layer_times(chip, tp, ep, a2a, tp_estimate, ep_geo, capacity, tp_cross)
         f = lt.fwd[b] - lt.fwd[a]
-        bw = (lt.bwd_rc if recompute == "full" else lt.bwd)
+        bw = {"full": lt.bwd_rc, "selective": lt.bwd_sel}.get(recompute, lt.bwd)
         return f, bw[b] - bw[a]
 
     def boundary_bytes(self, b: int) -> float:
@@ -907,12 +1071,12 @@ class ResourceModel:
         dev = self.la.device(tp, ep)
         return (dev.P_params[b] - dev.P_params[a]) * self.opt_step_coef(chip)
 
-    def program_comm_time(self, chip: str, volumes: list) -> float:
+    def program_comm_time(self, chip: str, volumes: list, cross: bool = False) -> float:
         """Seconds of a stage program's collectives: `volumes` are the op set's comm_volume
-        triples (collective, payload bytes, group size) of its COMM nodes; a TP group lives on
-        one host, so each all-reduce rings over the intra-node links."""
+        triples (collective, payload bytes, group size) of its COMM nodes, each all-reduce a
+        ring over the TP group's links (`tp_allreduce_time`; `cross`: the group spans hosts)."""
         g = self.cluster.group(chip)
-        return sum(tp_allreduce_time(nbytes, g, n) for kind, nbytes, n in volumes
+        return sum(tp_allreduce_time(nbytes, g, n, cross) for kind, nbytes, n in volumes
                    if kind == "all_reduce" and n > 1)
 
     def stage_times(self, plan: Plan, j: int, program_comm: tuple | None = None) -> StageTimes:
@@ -928,24 +1092,43 @@ class ResourceModel:
         place = self.plan_placement(plan)
         # the all-to-all over the hosts the stage's EP groups really occupy
         geo = place.ep_geometry(j, ep) if ep > 1 and plan.dp % ep == 0 else None
+        cross = st.tp > 1 and place.tp_crosses(j)
         f, bw = self.compute_times(st.chip, st.tp, a, b, st.recompute, ep, a2a,
                                    tp_estimate=program_comm is None, ep_geo=geo,
-                                   capacity=_capacity_of(plan))
+                                   capacity=_capacity_of(plan), tp_cross=cross)
         if program_comm is not None:
-            f += self.program_comm_time(st.chip, program_comm[0])
-            bw += self.program_comm_time(st.chip, program_comm[1])
+            f += self.program_comm_time(st.chip, program_comm[0], cross)
+            bw += self.program_comm_time(st.chip, program_comm[1], cross)
         send_act = send_grad = 0.0
         if j + 1 < S:
             send_act = _hockney(self.boundary_bytes(b), place.boundary(j))
         if j > 0:
             send_grad = _hockney(self.boundary_bytes(a), place.boundary(j - 1))
+        # (expert gradients ring over all dp replicas here, not the dp / ep that hold the
+        # same experts: an over-estimate of their share)
+        allreduce = self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep, place, j)
+        opt = self.opt_step_time(st.chip, st.tp, a, b, ep)
+        rs = ag = 0.0
+        if st.zero and plan.dp > 1:
+            rs, ag = self.zero_collective_times(st.chip, st.tp, plan.dp, a, b, ep, place, j)
+            allreduce, opt = rs + ag, opt / plan.dp
         return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
-                          dp_allreduce_s=self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep,
-                                                                place, j),
-                          # (expert gradients ring over all dp replicas here, not the dp / ep
-                          # that hold the same experts: an over-estimate of their share)
-                          opt_step_s=self.opt_step_time(st.chip, st.tp, a, b, ep),
-                          tied_s=self.tied_time(plan, j))
+                          dp_allreduce_s=allreduce, opt_step_s=opt,
+                          tied_s=self.tied_time(plan, j), reduce_scatter_s=rs, all_gather_s=ag)
+
+    def zero_collective_times(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1,
+                              placement: LinePlacement | None = None,
+                              stage: int = 0) -> tuple[float, float]:
+        """ZeRO-1 (Rajbhandari et al. SC'20, Sec. 7.2.1): (reduce-scatter of the gradients,
+        all-gather of the updated weights), each one half of a ring all-reduce (Thakur et al.
+        2005 Sec. 4): (n-1)/n of its bytes and n-1 latencies. In fp32 the gradients and weights
+        have one width, so the two together move what the all-reduce did."""
+        dev = self.la.device(tp, ep)
+        p = dev.P_params[b] - dev.P_params[a]
+        rs = self.grad_allreduce_time(chip, tp, dp, p * self.la.grad_bytes, placement, stage) / 2
+        ag = self.grad_allreduce_time(chip, tp, dp, p * self.la.state.weights, placement,
+                                      stage) / 2
+        return rs, ag
 
     def tied_time(self, plan: Plan, j: int) -> float:
         """One hand-over of stage j's tied tensors to or from its counterpart stage (the other

@@ -7,18 +7,22 @@ stage times, optimizer step, memory feasibility). The search is a best-first que
 bounds: configurations, then lines of stages, then layer splits, and candidates are simulated
 (h2ir/planner/simulate.py) in bound order; it stops when the next bound is no better than the
 best simulated step (then the choice is the simulator's optimum over what was generated), or
-when the simulation budget or `time_limit` is spent (`SearchResult.exact` says which).
+when the simulation budget or `time_limit` is spent. `SearchResult.exact` is derived, not set:
+true only when the least lower bound of everything left unsimulated (the heap, configurations
+whose lines coordinate descent sampled, truncated split searches) is not below the chosen plan.
 
 The plan space (`PlanSpace`, each dimension switchable):
   micro-batch size   1, 2, 4, 8 dividing the global batch (or the one asked for)
   dp                 one data-parallel degree for the whole pipeline (the executor replicates the
                      whole pipeline: a per-stage dp is not expressible in its streams)
   stages of a type   a type's dp-way replicated chips become stages of tp chips each; every stage
-                     has its own tp (`mixed_tp`: a type's first stages at a higher tp, the rest at
-                     a lower one); chips or a whole type may stay idle (`idle`)
+                     has its own tp (`mixed_tp`: a type's first stages at one tp, the rest at
+                     another, either higher first or lower first); chips, part of a type (any
+                     number of its stages: `partial`) or a whole type may stay idle (`idle`)
+  tp                 dividing the heads and chips-per-node, or whole nodes (costed over NICs)
   stage order        any order of the types' blocks; one type may form two blocks (`split_types`:
                      A-B-A orders)
-  recompute          per stage: none if it fits, else full
+  recompute          per stage: none if it fits, else selective if that fits, else full
   schedule           1f1b and/or gpipe (`schedules`), each with its own memory (in-flight count)
   layer split        contiguous ranges: branch-and-bound DFS on the lower bound
 
@@ -29,6 +33,7 @@ and A-B-A splits (`_LocalLines`), so type orders are never enumerated as k!.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -54,17 +59,25 @@ MICRO_BATCHES = (1, 2, 4, 8)
 _CAP_MARGIN = 1.0 - 1e-9
 # the DFS does not chase improvements smaller than this fraction of the bound
 REL_TOL = 1e-4
-# a configuration with at most EXACT_WORK / layers lines of stages is enumerated line by line
+# a configuration with at most EXACT_WORK / layers lines of stages is enumerated line by line,
+# while the search has enumerated fewer than EXACT_TOTAL lines in all (best configurations
+# first: they are expanded in bound order)
 EXACT_WORK = 40_000
+EXACT_TOTAL = 20_000
 # outside exact mode, a configuration whose starting line is this much behind the best line
 # found is not explored
 PROBE_SLACK = 0.15
+# a layer-split search that runs out of nodes is repeated with 4x the nodes, up to this many
+# times the first budget
+NODE_BUDGET_GROWTH = 64
 
 
 @dataclass(frozen=True)
 class PlanSpace:
     """Which dimensions of the plan space the search explores (all on by default)."""
     idle: bool = True            # leave chips, or a whole chip type, unused when that is faster
+    partial: bool = True         # with `idle`: a type in part, fewer stages than its chips allow
+    lower_first: bool = True     # with `mixed_tp`: a type's lower tp on its first stages too
     mixed_tp: bool = True        # stages of one chip type with different tp degrees
     split_types: bool = True     # a chip type in two contiguous blocks of stages (A-B-A)
     schedules: tuple | None = None   # schedules to search; None: the one passed to `search`
@@ -137,9 +150,41 @@ class SearchResult:
     configs_searched: int = 0
     dfs_nodes: int = 0
     simulations: int = 0
-    exact: bool = True             # stopped because no bound left could beat the best simulated
     timed_out: bool = False        # stopped by `time_limit`: the best plan found so far
     lines: int = 0
+    # The least lower bound (of the simulated step) of every plan of the search's space it did
+    # not simulate: the heap when it stopped, configurations whose lines coordinate descent
+    # sampled, truncated layer-split searches; inf when nothing was left.
+    unexplored_bound_s: float = math.inf
+    lines_by: str = "enumeration"  # how lines were generated: 'enumeration' or 'coordinate-descent'
+    stopped_by: str = "bound"      # 'bound', 'simulation budget' or 'time limit'
+
+    @property
+    def exact(self) -> bool:
+        """Proved optimal over the search's plan space: nothing left unsimulated has a lower
+        bound below the chosen plan's simulated step. Derived from the bounds, never set."""
+        return bool(self.unexplored_bound_s >= self.best.step_time_s * (1 - 1e-9))
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No plan of the search's space is predicted faster than this (the chosen plan's step
+        when `exact`)."""
+        return float(min(self.unexplored_bound_s, self.best.step_time_s))
+
+    def proof(self) -> dict:
+        """What the search proved, for reports: `exact`, how lines were generated, what
+        stopped it, the lower bound and the chosen plan's distance from it."""
+        lb, step = self.lower_bound_s, self.best.step_time_s
+        if self.exact:
+            proved = "optimal over the search's plan space (docs/planning.md, 'The plan space')"
+        elif lb > 0:
+            proved = (f"no plan of the search's space is predicted faster than {lb:.4g} s; the "
+                      f"chosen one is within {step / lb - 1:.1%} of that bound")
+        else:
+            proved = "nothing: part of the space was left without a bound"
+        return {"exact": self.exact, "search": self.lines_by, "stopped_by": self.stopped_by,
+                "lower_bound_s": lb, "gap_to_bound": float(step / lb - 1) if lb > 0 else None,
+                "proved": proved}
 
     @property
     def plan(self) -> Plan:
@@ -156,42 +201,84 @@ class SearchResult:
 class _KindTable:
     """What one (chip, tp, ep, a2a) stage costs for every layer range [a, b), independent of
     the in-flight count: prefix sums for time, and the largest in-flight count at which
-    [a, b') still fits for every b' <= b, without recomputation (`inone`) and with either
-    (`iany`). Memory numbers are h2ir/planner/resource.py's (`memory_items`, the attention
+    [a, b') still fits for every b' <= b, without recomputation (`inone`), with at most
+    selective recomputation (`isel`) and with any (`iany`). Memory numbers are h2ir/planner/resource.py's (`memory_items`, the attention
     scores of `attention_score_bytes`, `device_capacity`), evaluated for all (a, b) at once:
     bytes = base + inflight * per_mb, so a range fits iff inflight <= (cap - base) / per_mb."""
 
     def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str):
         lt = rm.layer_times(chip, tp, ep, a2a)
         self.chip, self.tp = chip, tp
-        self.F, self.B, self.Brc = lt.fwd, lt.bwd, lt.bwd_rc
+        self.F, self.B, self.Bsel, self.Brc = lt.fwd, lt.bwd, lt.bwd_sel, lt.bwd_rc
         self.FB = [f + b for f, b in zip(lt.fwd, lt.bwd)]
+        self.FBsel = [f + b for f, b in zip(lt.fwd, lt.bwd_sel)]
         self.FBrc = [f + b for f, b in zip(lt.fwd, lt.bwd_rc)]
         self.tau = np.add(lt.fwd_layer, lt.bwd_layer)
         dev = rm.la.device(tp, ep)
         self.Pp = dev.P_params
         self.out = dev.out.tolist()
         L = rm.L
-        Pp, Pact, Pout = np.array(dev.P_params), np.array(dev.P_act), np.array(dev.P_out)
+        Pp = np.array(dev.P_params)
         a = np.arange(L)[:, None]
         b = np.arange(1, L + 1)[None, :]
-        out = dev.out
-        base = (Pp[b] - Pp[a]) * rm.la.state.total + np.where(a > 0, out[np.maximum(a - 1, 0)], 0.0) + out[b - 1]
+        state = (Pp[b] - Pp[a]) * rm.la.state.total
+        # the resource model's own terms of every range [a, b): fixed + inflight * per_mb
+        # (`DeviceArrays.memory_terms`, what `memory_items` itemises)
+        fixed_n, per_n = dev.memory_terms("none")
+        fixed_s, per_s = dev.memory_terms("selective")
+        fixed_f, per_f = dev.memory_terms("full")
         ct = rm.cluster.chip(chip)
         cap = device_capacity(ct) * _CAP_MARGIN
         # attention scores of chips without a fused kernel (resource.attention_score_bytes):
-        # every in-flight micro-batch keeps them, or, with recomputation, the re-run block only
+        # every in-flight micro-batch keeps them, or, with either recomputation (both re-make
+        # the attention core, as resource.stage_memory has it), the re-run block only
         sc = _score_bytes(rm, ct, tp)
         Psc = np.concatenate([[0.0], np.cumsum(sc)])
         sc_rc = np.where(Psc[b] - Psc[a] > 0, sc.max() if L else 0.0, 0.0)
         before = b <= a
         with np.errstate(divide="ignore", invalid="ignore"):
-            inone = _max_inflight(cap - base, Pact[b] - Pact[a] + Psc[b] - Psc[a])
-            irc = _max_inflight(cap - base - dev.act_range_max[a, b - 1] - sc_rc, Pout[b] - Pout[a])
+            inone = _max_inflight(cap - state - fixed_n, per_n + Psc[b] - Psc[a])
+            isel = _max_inflight(cap - state - fixed_s - sc_rc, per_s)
+            irc = _max_inflight(cap - state - fixed_f - sc_rc, per_f)
         inone[before] = np.inf
+        isel[before] = np.inf
         irc[before] = np.inf
+        # monotone: what fits without recomputation fits with at most selective, and that
+        # with any (each the max of the in-flight limits of the tiers below it)
         self.inone = np.minimum.accumulate(inone, axis=1)
-        self.iany = np.minimum.accumulate(np.maximum(inone, irc), axis=1)
+        isel = np.maximum(inone, isel)
+        self.isel = np.minimum.accumulate(isel, axis=1)
+        self.iany = np.minimum.accumulate(np.maximum(isel, irc), axis=1)
+        # for `first_backward_late`: the same terms, and the gradient sums that do not exist
+        # yet while the first backward's micro-batch is still held (`stage_memory`)
+        self.cap, self.before = cap, before
+        self.base_n, self.per_n, self.act_n = state + fixed_n, per_n + Psc[b] - Psc[a], per_n
+        self.base_s, self.per_s = state + fixed_s + sc_rc, per_s
+        self.base_f, self.per_f = state + fixed_f + sc_rc, per_f
+        self.grads = (Pp[b] - Pp[a]) * rm.la.state.grads
+
+    def fits_late(self, inflight: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(fit without recomputation, fit with at most selective, fit with any) at
+        `inflight` micro-batches when every
+        micro-batch's forward runs before the stage's first backward: the gradient sums then
+        first exist once that backward has released its micro-batch's activations, so the peak
+        holds min(grads, one micro-batch's activations) less (resource.stage_memory)."""
+        with np.errstate(invalid="ignore"):
+            none = self.base_n + inflight * self.per_n - np.minimum(self.grads, self.act_n) <= self.cap
+            sel = self.base_s + inflight * self.per_s - np.minimum(self.grads, self.per_s) <= self.cap
+            full = self.base_f + inflight * self.per_f - np.minimum(self.grads, self.per_f) <= self.cap
+        none = none | self.before
+        sel = none | sel | self.before
+        full = sel | full | self.before
+        return (np.logical_and.accumulate(none, axis=1),
+                np.logical_and.accumulate(sel, axis=1),
+                np.logical_and.accumulate(full, axis=1))
+
+
+def first_backward_late(inflight: int, m: int) -> bool:
+    """Whether a stage holding `inflight` of m micro-batches runs every forward before its
+    first backward (as `stage_memory` tells it for a one-chunk schedule)."""
+    return inflight >= m > 1
 
 
 def _max_inflight(room: np.ndarray, per_mb: np.ndarray) -> np.ndarray:
@@ -204,22 +291,36 @@ def _max_inflight(room: np.ndarray, per_mb: np.ndarray) -> np.ndarray:
 class StageKind:
     """Costing of one stage for a (chip, tp, ep, a2a, in-flight micro-batches) combination:
     the `_KindTable`'s prefix sums for time, and for every start layer a the furthest end b up
-    to which the stage still fits in memory without recomputation (`fit_none`) and with it if
-    needed (`fit_any`)."""
+    to which the stage still fits in memory without recomputation (`fit_none`), with at most
+    selective recomputation (`fit_sel`) and with full recomputation if needed (`fit_any`):
+    fit_none <= fit_sel <= fit_any. A range up to fit_none runs without recomputation, one up
+    to fit_sel with selective, one up to fit_any with full."""
 
     def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, inflight: int,
-                 table: _KindTable | None = None):
+                 table: _KindTable | None = None, late: bool = False):
+        """`late`: every micro-batch's forward runs before the stage's first backward (GPipe,
+        or 1F1B with m <= S - j; `first_backward_late`)."""
         t = table or _KindTable(rm, chip, tp, ep, a2a)
         self.chip, self.tp = chip, tp
-        self.F, self.B, self.Brc, self.FB, self.FBrc = t.F, t.B, t.Brc, t.FB, t.FBrc
+        self.F, self.B, self.Bsel, self.Brc = t.F, t.B, t.Bsel, t.Brc
+        self.FB, self.FBsel, self.FBrc = t.FB, t.FBsel, t.FBrc
         self.tau, self.Pp, self.out = t.tau, t.Pp, t.out
-        self.fit_none = (t.inone >= inflight).sum(axis=1).tolist()
-        self.fit_any = (t.iany >= inflight).sum(axis=1).tolist()
+        if late:
+            none, sel, anyrc = t.fits_late(inflight)
+            self.fit_none = none.sum(axis=1).tolist()
+            self.fit_sel = sel.sum(axis=1).tolist()
+            self.fit_any = anyrc.sum(axis=1).tolist()
+        else:
+            self.fit_none = (t.inone >= inflight).sum(axis=1).tolist()
+            self.fit_sel = (t.isel >= inflight).sum(axis=1).tolist()
+            self.fit_any = (t.iany >= inflight).sum(axis=1).tolist()
 
     def stage(self, a: int, b: int):
         """(fwd, bwd, recompute) for layers [a, b), or None if they do not fit."""
         if b <= self.fit_none[a]:
             return self.F[b] - self.F[a], self.B[b] - self.B[a], "none"
+        if b <= self.fit_sel[a]:
+            return self.F[b] - self.F[a], self.Bsel[b] - self.Bsel[a], "selective"
         if b <= self.fit_any[a]:
             return self.F[b] - self.F[a], self.Brc[b] - self.Brc[a], "full"
         return None
@@ -227,18 +328,26 @@ class StageKind:
     def time(self, a: int, b: int) -> float:
         if b <= self.fit_none[a]:
             return self.FB[b] - self.FB[a]
+        if b <= self.fit_sel[a]:
+            return self.FBsel[b] - self.FBsel[a]
         if b <= self.fit_any[a]:
             return self.FBrc[b] - self.FBrc[a]
         return math.inf
 
     def furthest(self, a: int, T: float) -> int:
         """Largest b with time(a, b) <= T and memory fitting (a if none): feasibility is
-        downward closed in b (fewer layers: less time, less memory), so it is one bisection."""
-        b = min(self.fit_none[a], bisect.bisect_right(self.FB, self.FB[a] + T) - 1)
-        if self.fit_any[a] > self.fit_none[a]:
-            b2 = min(self.fit_any[a], bisect.bisect_right(self.FBrc, self.FBrc[a] + T) - 1)
+        downward closed in b (fewer layers: less time, less memory; each layer's selective
+        time lies between its times without and with full recomputation, so time(a, b) grows
+        with b across the tiers too), so it is one bisection per tier, the furthest first."""
+        if self.fit_any[a] > self.fit_sel[a]:
+            b3 = min(self.fit_any[a], bisect.bisect_right(self.FBrc, self.FBrc[a] + T) - 1)
+            if b3 > self.fit_sel[a]:
+                return b3
+        if self.fit_sel[a] > self.fit_none[a]:
+            b2 = min(self.fit_sel[a], bisect.bisect_right(self.FBsel, self.FBsel[a] + T) - 1)
             if b2 > self.fit_none[a]:
                 return b2
+        b = min(self.fit_none[a], bisect.bisect_right(self.FB, self.FB[a] + T) - 1)
         return max(b, a)
 
 
@@ -363,13 +472,14 @@ class StageLine:
         self.kinds = []
         for j, (chip, tp) in enumerate(self.shapes):
             infl = inflight_microbatches(schedule, j, S, self.m)
+            late = first_backward_late(infl, self.m)
             e = self.eps[j]
-            key = (id(rm), chip, tp, e, a2a, infl)
+            key = (id(rm), chip, tp, e, a2a, infl, late)
             if key not in kinds:
                 tkey = ("table", id(rm), chip, tp, e, a2a)
                 if tkey not in kinds:
                     kinds[tkey] = _KindTable(rm, chip, tp, e, a2a)
-                kinds[key] = StageKind(rm, chip, tp, e, a2a, infl, kinds[tkey])
+                kinds[key] = StageKind(rm, chip, tp, e, a2a, infl, kinds[tkey], late)
             self.kinds.append(kinds[key])
         self.optc = [rm.opt_step_coef(chip) for chip, _ in self.shapes]
         self.grad_bytes = rm.la.grad_bytes
@@ -477,10 +587,17 @@ class StageLine:
         bisection on T with `pack`) is within 1e-4 of it."""
         if self.S > self.L:
             return None
-        hi = max(k.FBrc[self.L] for k in self.kinds)
-        if self.pack(hi) is None:
+        top = max(k.FBrc[self.L] for k in self.kinds)
+        if self.pack(top) is None:
             return None
-        lo = 0.0
+        # no split has every stage under the layers' least total over S, nor under the slowest
+        # layer's least time; from there up in steps of a quarter to a feasible bottleneck
+        fastest = np.min([k.tau for k in self.kinds], axis=0)
+        lo = max(float(fastest.sum()) / self.S, float(fastest.max()))
+        hi = lo * 1.25
+        while hi < top and self.pack(hi) is None:
+            lo, hi = hi, hi * 1.25
+        hi = min(hi, top)
         while hi - lo > 1e-4 * hi:
             mid = (lo + hi) / 2
             if self.pack(mid) is None:
@@ -575,10 +692,11 @@ class StageLine:
         for j, k in enumerate(self.kinds):
             a, b = Bd[:, j], Bd[:, j + 1]
             none = b <= np.asarray(k.fit_none)[a]
+            sel = b <= np.asarray(k.fit_sel)[a]
             ok &= b <= np.asarray(k.fit_any)[a]
-            F, Bn, Br = np.asarray(k.F), np.asarray(k.B), np.asarray(k.Brc)
+            F, Bn, Bs, Br = np.asarray(k.F), np.asarray(k.B), np.asarray(k.Bsel), np.asarray(k.Brc)
             fs.append(F[b] - F[a])
-            bs.append(np.where(none, Bn[b] - Bn[a], Br[b] - Br[a]))
+            bs.append(np.where(none, Bn[b] - Bn[a], np.where(sel, Bs[b] - Bs[a], Br[b] - Br[a])))
             if j < S - 1:
                 lat, bw = self.link[j]
                 nb = bout[b - 1]
@@ -727,14 +845,37 @@ def chip_counts(cluster: Cluster) -> dict[str, int]:
 
 
 def tp_options(cluster: Cluster, chip: str, per_replica: int, n_heads: int,
-               divide: bool = True) -> list[int]:
-    """TP degrees for a chip type: divisors of the heads and of chips-per-node (Megatron keeps
-    TP inside a node, Narayanan et al. SC'21 Sec. 3.3), at most the chips per replica and, with
-    `divide`, dividing them."""
+               divide: bool = True, reach: int = 0) -> list[int]:
+    """TP degrees for a chip type: divisors of the heads that divide chips-per-node (Megatron
+    keeps TP inside a node, Narayanan et al. SC'21 Sec. 3.3), and whole nodes of it up to
+    `reach` (a TP group across nodes: legal, and costed over the NICs by `tp_allreduce_time`;
+    on small nodes it lets a stage hold what a node's TP cannot), at most the chips per replica
+    and, with `divide`, dividing them."""
     cpn = max(g.chips_per_node for g in cluster.groups if g.chip == chip)
-    return [t for t in divisors(cpn)
-            if t <= per_replica and (not divide or per_replica % t == 0)
-            and (n_heads <= 0 or n_heads % t == 0)]
+    cands = divisors(cpn) if n_heads <= 0 else \
+        [t for t in divisors(n_heads) if cpn % t == 0 or (t % cpn == 0 and t <= reach)]
+    return [t for t in cands
+            if t <= per_replica and (not divide or per_replica % t == 0)]
+
+
+def tp_reach(rm: ResourceModel, cluster: Cluster, chip: str, n_heads: int) -> int:
+    """The largest TP degree past a node worth offering on `chip`: the smallest multiple of
+    its chips-per-node (dividing the heads) at which every layer alone fits a chip, with
+    (selective or full) recomputation if need be, at one micro-batch in flight; its chips-per-node when that
+    already does. A TP group across nodes pays the NIC on every all-reduce, so a larger one
+    only adds comm to what a smaller one can already place."""
+    cpn = max(g.chips_per_node for g in cluster.groups if g.chip == chip)
+    if n_heads <= 0 or n_heads % cpn:
+        return cpn
+    cap = device_capacity(cluster.chip(chip))
+    for t in [t for t in divisors(n_heads) if t % cpn == 0]:
+        dev = rm.la.device(t)
+        state = np.asarray(dev.params) * rm.la.state.total
+        need = np.minimum.reduce([np.diag(f) + np.diag(p) for f, p in
+                                  (dev.memory_terms(r) for r in ("none", "selective", "full"))])
+        if np.all(state + need <= cap):
+            return t
+    return n_heads
 
 
 def memory_order(cluster: Cluster, chips: list[str]) -> tuple:
@@ -1049,7 +1190,6 @@ def choose_schedule(plan: Plan, costs: ModelCosts, cluster: Cluster, calibration
     (zero-bubble and interleaved schedules hold more activations) and the validator accepts
     it. Returns the plan and {schedule: predicted step seconds or the reason it was left}."""
     from h2ir.planner.validate import validate_plan
-    import dataclasses
     table: dict = {}
     best = None
     for sch in schedules:
@@ -1131,10 +1271,15 @@ def micro_batch_options(global_batch: int, micro_batch: int | None) -> list[int]
 
 def type_sequences(B: int, tps: list[int], L: int, space: PlanSpace, exact: bool) -> list[tuple]:
     """The tp sequences of one chip type's stages with B chips per replica: one tp for all its
-    stages (B // tp of them), or, with `mixed_tp`, h stages at a higher tp t1 followed by the
-    rest at a lower t2 (earlier stages hold more micro-batches in flight, so they get the
-    larger tp). Without `idle` every chip must be used. At most L stages (each needs a layer);
-    outside `exact` mode, h takes a quarter, a half and three quarters of the range."""
+    stages (B // tp of them), or, with `mixed_tp`, h stages at one tp t1 followed by the rest at
+    another t2: a higher one first (earlier stages hold more micro-batches in flight) or a
+    lower one first (a first stage that holds only the embedding needs no TP; `lower_first`).
+    With `idle` and `partial`, a type may also be used in part: fewer stages than its chips
+    allow, the rest idle (a slow chip with room for the embedding is worth one stage, not
+    one stage per chip, each of which must then hold a layer); without it every chip is used.
+    At most L stages (each needs a layer). In `exact` mode every count of stages is offered;
+    outside it, h takes a quarter, a half and three quarters of the range, and a uniform
+    sequence its full length, 1, 2 and a quarter, a half and three quarters of it."""
     out = []
     for t in tps:
         s = B // t
@@ -1145,9 +1290,14 @@ def type_sequences(B: int, tps: list[int], L: int, space: PlanSpace, exact: bool
                 continue
             s = L
         out.append((t,) * s)
+        if space.idle and space.partial:     # the type in part: k < s stages, the rest idle
+            ks = range(1, s) if exact else {1, 2, s // 4, s // 2, 3 * s // 4}
+            out += [(t,) * k for k in sorted(ks) if 1 <= k < s]
     if space.mixed_tp:
         for i, t1 in enumerate(tps):
-            for t2 in (tps[:i] if exact else tps[max(0, i - 1):i]):
+            others = tps[:i] + (tps[i + 1:] if space.lower_first else []) if exact else \
+                tps[max(0, i - 1):i] + (tps[i + 1:i + 2] if space.lower_first else [])
+            for t2 in others:
                 hmax = (B - t2) // t1
                 # at most L stages: h beyond L can never give a line (and B may be 10^9 chips)
                 hs = range(1, min(hmax, L) + 1) if exact else \
@@ -1158,9 +1308,27 @@ def type_sequences(B: int, tps: list[int], L: int, space: PlanSpace, exact: bool
                     rest = B - h * t1
                     if not space.idle and rest % t2:
                         continue
-                    if h + rest // t2 <= L:       # checked before building the tuple
-                        out.append((t1,) * h + (t2,) * (rest // t2))
+                    partial = space.idle and space.partial
+                    if h + rest // t2 > L and not partial:
+                        continue
+                    r = min(rest // t2, L - h)
+                    # in exact mode with `partial`, every shorter tail too (the rest idle)
+                    for k in (range(1, r + 1) if exact and partial else (r,)):
+                        if k >= 1:
+                            out.append((t1,) * h + (t2,) * k)
     return list(dict.fromkeys(out))
+
+
+def _sequences_at_most(B: int, tps: list[int], L: int) -> int:
+    """An upper bound of len(type_sequences(B, tps, L, space, exact=True)) for any space,
+    without building them: k stages of one tp, or h of one and k of another (h + k <= L)."""
+    n = sum(min(B // t, L) for t in tps)
+    for t1 in tps:
+        for t2 in tps:
+            if t1 != t2:
+                h = min((B - t2) // t1, L) if B >= t1 + t2 else 0
+                n += h * min(B // t2, L)
+    return n
 
 
 def _lines_exact(seqs: dict, space: PlanSpace, L: int, limit: int):
@@ -1325,23 +1493,36 @@ def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict,
             dev = la.device(t, e)
             tb = float(tau[block].min())
             rb = float((tau + np.array(lt.fwd_layer))[block].min())
-            state = float((dev.params[block] * la.state.total).min())
+            # (a stage whose forwards all run first has no gradient sums at its peak yet)
+            per_param = la.state.total - (la.state.grads if first_backward_late(infl, m) else 0)
+            state = float((dev.params[block] * per_param).min())
             act = float(dev.act[block].min())
             out = float(dev.out[block].min())
-            M = max(0, math.floor((cap_mem - 2 * out) / (state + infl * act)))
-            R = max(0, math.floor((cap_mem - act - 2 * out) / (state + infl * out)))
-            kinds.append((c, B / t, tb, rb, min(M, N), min(R, N)))
+            # (optimistic, as a bound must be: receive buffers, the loss and the backward's
+            # working set beyond one layer's re-made activations are left out)
+            M = max(0, math.floor(cap_mem / (state + infl * act)))
+            R = max(0, math.floor((cap_mem - act) / (state + infl * out)))
+            # selective recomputation: less kept (`act_sel`), the backward re-making what it
+            # dropped (`bwd_sel`); where it keeps no less than none, none's term dominates it
+            Ms, sb = 0, tb
+            act_sel = float(dev.act_sel[block].min())
+            if act_sel < act:
+                Ms = max(0, math.floor(cap_mem / (state + infl * act_sel)))
+                sb = float((tau + np.diff(lt.bwd_sel) - lt.bwd_layer)[block].min())
+            kinds.append((c, B / t, tb, sb, rb, min(M, N), min(Ms, N), min(R, N)))
     if not kinds:
         return math.inf
 
     def blocks(T):
         per = {}
-        for c, n, tb, rb, M, R in kinds:
-            held = n * max(min(int(T / tb * (1 + 1e-12)), M), min(int(T / rb * (1 + 1e-12)), R))
+        for c, n, tb, sb, rb, M, Ms, R in kinds:
+            held = n * max(min(int(T / tb * (1 + 1e-12)), M), min(int(T / sb * (1 + 1e-12)), Ms),
+                           min(int(T / rb * (1 + 1e-12)), R))
             per[c] = max(per.get(c, 0.0), held)
         return sum(per.values())
 
-    cands = np.unique(np.concatenate([np.arange(1, N + 1) * x for _, _, tb, rb, _, _ in kinds for x in (tb, rb)]))
+    cands = np.unique(np.concatenate([np.arange(1, N + 1) * x for _, _, tb, sb, rb, *_ in kinds
+                                      for x in {tb, sb, rb}]))
     if blocks(cands[-1]) < N:
         return math.inf
     lo, hi = 0, len(cands) - 1
@@ -1387,15 +1568,20 @@ class _Search:
             raise H2Error(f"cluster {cluster.name!r} has no chips")
         self.counts_t = tuple(sorted(self.counts.items()))
         self.rms: dict = {}
+        self.reach: dict = {}               # (micro-batch, chip) -> `tp_reach`
         self.kinds: dict = {}
         self.heap: list = []
         self.seq = itertools.count()
         self.sims: list[Candidate] = []
         self.best_sim = math.inf
         self.nodes = self.lines = self.configs = self.configs_total = 0
-        self.exact = True
         self.timed_out = False
+        # the least lower bound of what was left without simulation (`left`)
+        self.unproved = math.inf
+        self.lines_by = "enumeration"
+        self.stopped_by = "bound"
         self.emitted: set = set()
+        self.exact_left = EXACT_WORK if exhaustive else EXACT_TOTAL   # lines left to enumerate
         self.best_line = math.inf           # best split bound of the lines found by local search
         self.warm: dict = {}                # (schedule, dp) -> the local search's last state
         self.sim_work = 0
@@ -1446,7 +1632,10 @@ class _Search:
             if not self.space.idle and n % dp:
                 return
             B = n // dp
-            opts = [t for t in tp_options(self.cluster, c, B, self.costs.n_heads, divide=not self.space.idle)
+            # every TP degree of the space, across nodes too; coordinate descent (large
+            # spaces) offers those past a node only up to `tp_reach`
+            opts = [t for t in tp_options(self.cluster, c, B, self.costs.n_heads,
+                                          divide=not self.space.idle, reach=self.costs.n_heads)
                     if self.max_tp is None or t <= self.max_tp]
             if B and opts:
                 budgets[c], tps[c] = B, opts
@@ -1524,6 +1713,9 @@ class _Search:
                 for c in sorted(opts):
                     cur[c] = min(opts[c], key=lambda e: (score({**cur, c: e}), -e))
             out.append(dict(cur))
+            if math.prod(len(o) for o in opts.values()) > len({_eps_key(e) for e in out}):
+                # EP assignments per type are sampled, not enumerated: the others have no bound
+                self.left(0.0)
         seen, uniq = set(), []
         for eps in out:
             if _eps_key(eps) not in seen:
@@ -1536,18 +1728,46 @@ class _Search:
         cfg = _config_of(dp, mb, m, shapes, self.counts_t, sched)
         return StageLine(self.rm(mb), cfg, sched, eps or 1, a2a, self.kinds, placed)
 
+    def _near(self, chip: str, mb: int, tps: list) -> list:
+        """`tps` less the TP degrees past a node beyond `tp_reach` (for coordinate descent:
+        a TP group across nodes pays the NIC on every all-reduce, so past the degree at which
+        every layer fits it is rarely worth a place among the few lines descent keeps)."""
+        if (mb, chip) not in self.reach:
+            self.reach[(mb, chip)] = tp_reach(self.rm(mb), self.cluster, chip, self.costs.n_heads)
+        return [t for t in tps if t <= self._cpn(chip) or t <= self.reach[(mb, chip)]]
+
+    def _cpn(self, chip: str) -> int:
+        return max(g.chips_per_node for g in self.cluster.groups_of(chip))
+
+    def left(self, lb: float):
+        """Part of the space, all of it no faster than `lb`, is left without simulation."""
+        self.unproved = min(self.unproved, lb)
+
     def expand_config(self, lb, sched, mb, dp, m, budgets, tps, moe, eps):
         self.configs += 1
         L = len(self.costs.layers)
-        exact_seqs = {c: type_sequences(B, tps[c], L, self.space, True) for c, B in budgets.items()}
-        exact_seqs = {c: s for c, s in exact_seqs.items() if s}
-        limit = max(1, EXACT_WORK // L)
-        lines = _lines_exact(exact_seqs, self.space, L, limit) if exact_seqs else []
+        limit = max(1, min(EXACT_WORK // L, self.exact_left))
+        if not self.exhaustive and \
+                math.prod(_sequences_at_most(B, tps[c], L) + 1 for c, B in budgets.items()) > 20 * limit:
+            lines = None                     # too many to enumerate: not even their sequences
+        else:
+            exact_seqs = {c: type_sequences(B, tps[c], L, self.space, True) for c, B in budgets.items()}
+            exact_seqs = {c: s for c, s in exact_seqs.items() if s}
+            lines = _lines_exact(exact_seqs, self.space, L, limit) if exact_seqs else []
         if lines is None:
             if self.exhaustive:
                 raise H2Error(f"exhaustive search: dp={dp} micro-batch={mb} has more than "
                               f"{limit:,} lines of stages", hint="use --search heuristic")
-            seqs = {c: type_sequences(B, tps[c], L, self.space, False) for c, B in budgets.items()}
+            # every line of the narrower space (each type's chips all used, its higher tp
+            # first) when that one is small enough, besides what the descent finds
+            # (TP across nodes up to `tp_reach`, as the descent)
+            narrow = dataclasses.replace(self.space, partial=False, lower_first=False)
+            nseqs = {c: type_sequences(B, self._near(c, mb, tps[c]), L, narrow, True)
+                     for c, B in budgets.items()}
+            nlines = _lines_exact({c: q for c, q in nseqs.items() if q}, narrow, L, limit) or []
+            self.exact_left -= len(nlines)
+            seqs = {c: type_sequences(B, self._near(c, mb, tps[c]), L, self.space, False)
+                    for c, B in budgets.items()}
             seqs = {c: s for c, s in seqs.items() if s}
             order = list(memory_order(self.cluster, list(seqs)))
 
@@ -1561,21 +1781,40 @@ class _Search:
                 e = line.estimate(r[1])
                 return e[0] if e else math.inf
 
-            if lb >= self.best_line:
-                return                       # a line already found is at least as good
-            ll = _LocalLines(score, seqs, order, self.space, L)
-            start = self.warm.get((sched, dp, _eps_key(eps)))
-            if start is not None:
-                # the same dp at another micro-batch: start from its best line, one round
-                if ll.start_value(start) > self.best_line * (1 + PROBE_SLACK):
-                    return                   # far behind the best line found: not worth a descent
-                ll.rounds = 1
-            found = ll.run(start=start)
-            self.warm[(sched, dp, _eps_key(eps))] = ll.state
-            if found:
-                self.best_line = min(self.best_line, found[0][0])
-            lines = [sh for _, sh in found]
-        elif self.exhaustive:
+            # coordinate descent generates a few of this configuration's lines: the others
+            # are bounded only by the configuration's bound
+            self.left(lb)
+            self.lines_by = "coordinate-descent"
+            found = []
+            # no descent where a line already found is at least as good as the bound
+            if lb < self.best_line:
+                ll = _LocalLines(score, seqs, order, self.space, L)
+                start = self.warm.get((sched, dp, _eps_key(eps)))
+                far = False
+                if start is not None:
+                    # the same dp at another micro-batch: start from its best line, one
+                    # round, unless that is far behind the best line found
+                    far = ll.start_value(start) > self.best_line * (1 + PROBE_SLACK)
+                    ll.rounds = 1
+                else:
+                    # first down the narrower space (every chip of a type used, its higher tp
+                    # first: fewer, larger moves), then on in the whole one from where that
+                    # ended: partial-use moves from the start lead elsewhere, often worse
+                    nar = {c: type_sequences(B, self._near(c, mb, tps[c]), L, narrow, False)
+                           for c, B in budgets.items()}
+                    ln = _LocalLines(score, {c: q for c, q in nar.items() if q}, order, narrow, L)
+                    ln.seen = ll.seen
+                    ln.run()
+                    start, ll.rounds = ln.state, 2
+                if not far:
+                    found = ll.run(start=start)
+                    self.warm[(sched, dp, _eps_key(eps))] = ll.state
+                    if found:
+                        self.best_line = min(self.best_line, found[0][0])
+            lines = list(dict.fromkeys(nlines + [sh for _, sh in found]))
+        elif not self.exhaustive:
+            self.exact_left -= len(lines)
+        else:
             total = sum(math.comb(L - 1, len(sh) - 1) for sh in lines if len(sh) <= L)
             worst = max((math.comb(L - 1, len(sh) - 1) for sh in lines if len(sh) <= L), default=0)
             if worst > EXHAUSTIVE_LINE_LIMIT or total > EXHAUSTIVE_TOTAL_LIMIT:
@@ -1595,13 +1834,26 @@ class _Search:
             if r is not None and r[0] < self.best_sim:
                 self.push(max(lb, r[0]), "line", (line, moe, 0))
 
-    def expand_line(self, lb, line, moe, done):
+    def expand_line(self, lb, line, moe, done, budget=None):
         k = done + (4 if line.S * line.L <= 256 else 1)
+        budget = budget or self.node_budget
+        regrown = False
         if self.exhaustive:
             res = line.all_splits(k)
         else:
-            res, n = line.best_split(self.best_sim, self.node_budget, k=k)
+            res, n = line.best_split(self.best_sim, budget, k=k)
             self.nodes += n
+            if n > budget:
+                # the DFS ran out of nodes, so better splits may be missing: the line again,
+                # at the same bound, with a larger budget while the search can still prove
+                # its choice (nothing left unproved yet); past the largest, or once something
+                # is, left unproved (its splits found so far still go on)
+                regrown = budget < NODE_BUDGET_GROWTH * self.node_budget and \
+                    self.unproved == math.inf
+                if regrown:
+                    self.push(lb, "line", (line, moe, done, 4 * budget))
+                else:
+                    self.left(lb)
         new = 0
         for est, ends in res:
             key = (id(line), ends)
@@ -1610,11 +1862,9 @@ class _Search:
             self.emitted.add(key)
             new += 1
             plan = line.plan(ends, self.costs.model, self.cluster, self.gb, self.seq_len, moe)
-            if not fits_memory(self.costs, plan, self.cluster):
-                continue
             kind = "exhaustive" if self.exhaustive else "auto"
             self.push(est, "cand", Candidate(plan, est, kind, line.config, ends))
-        if len(res) >= k and res:
+        if len(res) >= k and res and not regrown:
             self.push(max(lb, res[-1][0]), "line", (line, moe, k))
 
     def simulate(self, cand: Candidate):
@@ -1634,34 +1884,45 @@ class _Search:
         first = self.sims[0].sim_work if self.sims else 0
         return max(SIM_WORK_MIN, 3 * first)
 
+    def lower_bound(self) -> float:
+        """A lower bound of every plan of the space not simulated: what was left along the way
+        and the heap's least bound (it is a min-heap)."""
+        return float(min(self.unproved, self.heap[0][0] if self.heap else math.inf))
+
     def run(self):
         steps = {"config": self.expand_config, "line": self.expand_line}
         while self.heap:
             if self.deadline is not None and time.perf_counter() > self.deadline:
-                self.timed_out, self.exact = True, False
+                self.timed_out, self.stopped_by = True, "time limit"
                 break
             lb, _, kind, item = self.heap[0]
             if lb >= self.best_sim * (1 - 1e-9):
                 break                       # nothing left can beat the best simulated step
             heapq.heappop(self.heap)
             if kind == "cand":
+                if not fits_memory(self.costs, item.plan, self.cluster):
+                    # the validator's memory check, when it comes up (the split search leaves
+                    # out tied copies: it might fit with recomputation)
+                    self.left(lb)
+                    continue
                 if self.sims and (len(self.sims) >= self.max_sims or self.sim_work > self.sim_budget()):
-                    self.exact = False
+                    self.stopped_by = "simulation budget"
                     break
                 self.simulate(item)
             else:
                 steps[kind](lb, *item)
         if not self.sims:                   # out of time before any simulation: the best bound
             cands = sorted((e for e in self.heap if e[2] == "cand"), key=lambda e: e[0])
-            if cands:
-                self.simulate(cands[0][3])
+            first = next((e for e in cands if fits_memory(self.costs, e[3].plan, self.cluster)), None)
+            if first is not None:
+                self.simulate(first[3])
 
 
 def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
            micro_batch: int | None = None, schedule: str = "1f1b", method: str = "heuristic",
            calibration=None, top_k: int = 5, dp_options=None, node_budget: int = 2_000,
            max_tp: int | None = None, max_ep: int | None = None, space: PlanSpace | None = None,
-           time_limit: float | None = None, max_sims: int = 48) -> SearchResult:
+           time_limit: float | None = None, max_sims: int = 400) -> SearchResult:
     """HeteroAuto: the plan with the lowest simulated step time (`_Search`).
 
     `schedule` may be 'auto' (1f1b and gpipe); `space` switches the plan space's dimensions;
@@ -1700,8 +1961,9 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
     return SearchResult(best=best, runner_ups=pool[1:top_k + 1], uniform=uniform,
                         search_time_s=time.perf_counter() - t0, method=method,
                         configs_total=s.configs_total, configs_searched=s.configs,
-                        dfs_nodes=s.nodes, simulations=len(s.sims), exact=s.exact,
-                        timed_out=s.timed_out, lines=s.lines)
+                        dfs_nodes=s.nodes, simulations=len(s.sims), timed_out=s.timed_out,
+                        lines=s.lines, unexplored_bound_s=s.lower_bound(), lines_by=s.lines_by,
+                        stopped_by=s.stopped_by)
 
 
 # ----------------------------------------------------------------------------------------------

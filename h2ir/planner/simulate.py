@@ -15,7 +15,8 @@ stream files of a build; `h2c plan` and the search let it build the plan's strea
 - Redistribution between TP degrees: each sender's share goes to every receiver; a receive
   waits for every sender's share.
 - `all_reduce` is a barrier over its group: it starts when every member has reached it and the
-  link is free, and takes the data-parallel all-reduce time for the stage.
+  link is free, and takes the data-parallel all-reduce time for the stage; ZeRO-1's
+  `reduce_scatter` and `all_gather` likewise, each with its half of the ring.
 - `opt_step` is memory-bound: state bytes touched / memory bandwidth.
 
 Replicas of a pipeline run identical streams, so for built streams only replica 0 is simulated
@@ -279,6 +280,16 @@ class SimulatedWorker(StreamInterpreter):
         self._recv(Instr(ins.op, -1, ins.peer, chunk=ins.chunk), "tied_params")
 
     def all_reduce(self, ins):
+        self._collective(ins, "all_reduce grads", self._t(ins).dp_allreduce_s)
+
+    # ZeRO-1: the all-reduce's two halves, around an optimizer step on 1/dp of the parameters
+    def reduce_scatter(self, ins):
+        self._collective(ins, "reduce_scatter grads", self._t(ins).reduce_scatter_s)
+
+    def all_gather(self, ins):
+        self._collective(ins, "all_gather params", self._t(ins).all_gather_s)
+
+    def _collective(self, ins, name: str, dur: float):
         w, tl = self.wid, self.tl
         members = [g for g in ins.group if g in self.simulated]
         bar = tl.barriers.setdefault((ins.group, self.ar_count, ins.chunk),
@@ -289,9 +300,9 @@ class SimulatedWorker(StreamInterpreter):
             if len(bar["arrived"]) < len(members):
                 raise _Blocked
             start = max(bar["arrived"].values())
-            # members are replicas of one stage, so they share one all-reduce time
-            bar["start"], bar["end"] = start, start + self._t(ins).dp_allreduce_s
-        tl.emit(w, "comm", "all_reduce grads", bar["start"], bar["end"] - bar["start"])
+            # members are replicas of one stage, so they share one collective time
+            bar["start"], bar["end"] = start, start + dur
+        tl.emit(w, "comm", name, bar["start"], bar["end"] - bar["start"])
         tl.clock[w] = tl.link_free[w] = bar["end"]
         self.ar_count += 1
 
@@ -398,7 +409,7 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     if streams is None:
         streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
                                 ties=ties, tp=None if plan.is_virtual else lay.tps,
-                                virtual=plan.virtual,
+                                virtual=plan.virtual, zero=[st.zero for st in plan.stages],
                                 durations=chunk_durations(times, b_fractions or {}))
         if symmetric:
             workers = workers or list(range(lay.per_replica))

@@ -8,7 +8,8 @@ Checks, in order: known words and positive numbers (for plans not built by the p
 stage's chip type, chips == dp * tp, TP divides the attention heads, chips per type against the
 cluster (at most what it has: chips may stay idle, and a type's stages may have different tp
 and sit anywhere in the order, e.g. A-B-A), batch divisibility, layer assignment (unknown /
-twice / not contiguous / out of model order / missing), the MoE section, and finally memory
+twice / not contiguous / out of model order / missing), the MoE section, ZeRO (zero=1 not on an
+EP stage), and finally memory
 per device through `h2ir.planner.resource.stage_memory` (the same model the planner and simulator use).
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from h2ir.costs import ModelCosts
 from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX_SEQ_LEN, H2Error
 from h2ir.planner.resource import ep_groups, stage_memory
 from h2ir.planner.search import divisors
-from h2ir.plans.plan import A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, Plan
+from h2ir.plans.plan import (A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, ZERO_STAGES,
+                             Plan)
 from h2ir.planner.simulate import plan_chunks
 from h2ir.schedule.streams import WorkerLayout, worker_hosts
 
@@ -36,6 +38,7 @@ def validate_plan(plan: Plan, costs: ModelCosts, cluster: Cluster) -> list[str]:
     v.batch()
     v.layers()
     v.moe()
+    v.zero()
     v.memory()
     return v.warnings()
 
@@ -273,6 +276,19 @@ class _Validator:
                 if e % ep:
                     self.fail(f"{who} does not divide the {e} experts of the MoE layers", key)
 
+    def zero(self):
+        """ZeRO-1 shards AdamW state over a stage's dp group (executor/zero.py); an EP stage's
+        experts are averaged over another group (the replicas holding them) and migrate with
+        their AdamW state, so zero=1 is refused there."""
+        for i, s in enumerate(self.plan.stages):
+            if s.zero not in ZERO_STAGES:
+                self.fail(f"stage {i}: zero={s.zero!r}; expected 0 or 1", self._stage_key(i, "zero"))
+            if s.zero and self.plan.stage_ep(i) > 1:
+                self.fail(f"stage {i}: zero=1 with expert parallelism (ep={self.plan.stage_ep(i)}) "
+                          "is not supported: expert gradients and AdamW state follow the EP "
+                          "groups, not the dp group ZeRO-1 shards over",
+                          self._stage_key(i, "zero"), hint="use zero=0 on this stage, or ep=1")
+
     def memory(self):
         p = self.plan
         if p.is_virtual:        # a worker's chunks share its device
@@ -284,7 +300,8 @@ class _Validator:
                               f"{w}) do not fit in memory: they need {_bytes(total)} "
                               f"({total:,} B) per device, {p.stages[chunks[0]].chip} has "
                               f"{_bytes(cap)} ({cap:,} B)", f"stage.{chunks[0]}",
-                              hint="try recompute=full or fewer layers on these stages")
+                              hint="try recompute=selective or full, zero=1, or fewer layers "
+                                   "on these stages")
             return
         for i, s in enumerate(self.plan.stages):
             mem = stage_memory(self.costs, self.plan, self.cluster, i)
@@ -294,7 +311,8 @@ class _Validator:
                 self.fail(f"stage {i} does not fit in memory: needs {_bytes(mem.total)} "
                           f"({mem.total:,} B) per device, {s.chip} has {_bytes(mem.capacity)} "
                           f"({mem.capacity:,} B); biggest: {consumers}", f"stage.{i}",
-                          hint="try recompute=full, a larger tp, or fewer layers on this stage")
+                          hint="try recompute=selective or full, zero=1 (dp > 1), a larger "
+                               "tp, or fewer layers on this stage")
 
     def warnings(self) -> list[str]:
         out = []

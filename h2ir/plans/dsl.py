@@ -11,7 +11,7 @@
     moe ep=4 placement=balanced a2a=halo migration=periodic(100) capacity=1.25 threshold=1.3
 
 A stage may set its own expert-parallel degree (`stage ... ep=2`); without it the moe section's
-`ep` applies. `format_plan` prints the canonical form (the layout above, every option spelled out), and
+`ep` applies. `stage ... zero=1` shards the stage's AdamW state over its dp replicas (ZeRO-1). `format_plan` prints the canonical form (the layout above, every option spelled out), and
 `parse_plan(format_plan(p)) == p` for every plan that parses. Source positions are kept out of
 equality: StagePlan.line / MoEPlan.line and Plan.locations ('stage.1.tp' -> (line, column)) let
 h2ir/planner/validate.py point its errors at the text.
@@ -31,7 +31,7 @@ from lark.exceptions import UnexpectedInput
 
 from h2ir.errors import H2Error, lark_error, read_user_file
 from h2ir.plans.plan import (A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES,
-                             VIRTUAL_SCHEDULES, MoEPlan, Plan, StagePlan)
+                             VIRTUAL_SCHEDULES, ZERO_STAGES, MoEPlan, Plan, StagePlan)
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
 
@@ -85,7 +85,8 @@ def format_plan(plan: Plan) -> str:
     ]
     for s in plan.stages:
         ep = f" ep={s.ep}" if s.ep is not None else ""
-        out.append(f"stage chip={_name_or_quote(s.chip)} chips={s.chips} tp={s.tp}{ep} "
+        zero = f" zero={s.zero}" if s.zero else ""      # plans without ZeRO print as before
+        out.append(f"stage chip={_name_or_quote(s.chip)} chips={s.chips} tp={s.tp}{ep}{zero} "
                    f"recompute={s.recompute} layers={format_layers(s.layers)}")
     if plan.moe is not None:
         m = plan.moe
@@ -236,6 +237,12 @@ class _PlanBuilder:
                 got[key] = self.positive(opt.children[0], key)
             elif key == "recompute":
                 got[key] = self.word(opt.children[0], RECOMPUTE, "recompute")
+            elif key == "zero":
+                got[key] = self.number(opt.children[0])
+                if got[key] not in ZERO_STAGES:
+                    self.fail(f"zero={got[key]}: expected 0 (AdamW state on every replica) or 1 "
+                              "(ZeRO-1: AdamW state sharded over the stage's dp replicas)",
+                              opt.children[0])
             elif key == "layers":
                 got[key] = self.layers(opt)
         missing = [k for k in ("chip", "chips", "layers") if k not in got]
@@ -244,7 +251,7 @@ class _PlanBuilder:
                       + ", ".join(f"{k}=" for k in missing) + ")", stmt)
         return StagePlan(chip=got["chip"], chips=got["chips"], layers=got["layers"],
                          tp=got.get("tp", 1), recompute=got.get("recompute", "none"),
-                         ep=got.get("ep"), line=stmt.meta.line)
+                         ep=got.get("ep"), zero=got.get("zero", 0), line=stmt.meta.line)
 
     def options(self, stmt: Tree, prefix: str, what: str, got: dict):
         """(key, option) of a statement's `key=value` options, each located; an option already

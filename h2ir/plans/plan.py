@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 # Narayanan et al. SC'21), izb (interleaved zero bubble), zbv (V-shape zero bubble, 2 chunks)
 SCHEDULES = ("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv")
 VIRTUAL_SCHEDULES = ("interleaved", "izb", "zbv")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 A2A_ALGOS = ("flat", "halo")
 PLACEMENTS = ("contiguous", "round_robin", "balanced")
 MIGRATION = ("none", "periodic")
+ZERO_STAGES = (0, 1)
 
 
 @dataclass
@@ -35,6 +36,10 @@ class StagePlan:
     tp: int = 1
     recompute: str = "none"
     ep: int | None = None            # expert-parallel degree of this stage (None: the moe section's)
+    # ZeRO stage (Rajbhandari et al. SC'20): 0 replicates AdamW state on every data-parallel
+    # replica; 1 shards it over the stage's dp group (gradients reduce-scattered, each replica
+    # updates its shard, parameters all-gathered: executor/zero.py)
+    zero: int = 0
     # source line in the .h2plan file (0: not from a file); not part of the plan's meaning
     line: int = field(default=0, compare=False)
 

@@ -55,3 +55,5 @@ class StreamInterpreter:
     def recv_tied_grads(self, ins: Instr): raise NotImplementedError
     def send_tied_params(self, ins: Instr): raise NotImplementedError
     def recv_tied_params(self, ins: Instr): raise NotImplementedError
+    def reduce_scatter(self, ins: Instr): raise NotImplementedError
+    def all_gather(self, ins: Instr): raise NotImplementedError

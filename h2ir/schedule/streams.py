@@ -23,6 +23,11 @@ has a one-line text form that round-trips:
                             the replicas; expert gradients (already summed over the EP group by
                             the all-to-all's backward) divided by ep and averaged over the
                             replicas holding the same experts (expert-data parallelism)
+    reduce_scatter grads [w0 w2]  ZeRO-1 (a stage's `zero=1`): the first half of the ring
+                            all-reduce; each replica keeps the averaged gradients of its shard
+                            of the stage's flat optimizer buffer (executor/zero.py) ...
+    all_gather params [w0 w2]     ... and after opt_step updated its shard, the second half:
+                            every replica gets the whole updated parameters
     migrate [w0 w2]         expert migration at the step boundary: the EP group sums its expert
                             loads and, when the plan's policy says so, moves experts (weights and
                             AdamW state) between its ranks
@@ -61,7 +66,10 @@ from h2ir.errors import H2Error
 
 OPS = ("fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad",
        "all_reduce", "all_to_all", "opt_step", "migrate",
-       "send_tied_grads", "recv_tied_grads", "send_tied_params", "recv_tied_params")
+       "send_tied_grads", "recv_tied_grads", "send_tied_params", "recv_tied_params",
+       "reduce_scatter", "all_gather")
+# ZeRO-1's halves of the ring all-reduce, and what each moves
+_ZERO_COLLECTIVES = {"reduce_scatter": "grads", "all_gather": "params"}
 _SENDS = ("send_act", "send_grad")
 _RECVS = ("recv_act", "recv_grad")
 _TIED_SENDS = ("send_tied_grads", "send_tied_params")
@@ -203,6 +211,8 @@ class Instr:
         if self.op == "all_reduce":
             return "all_reduce grads [" + " ".join(f"w{g}" for g in self.group) + "]" \
                 + (f" ep {self.ep[0]}" if self.ep else "")
+        if self.op in _ZERO_COLLECTIVES:
+            return f"{self.op} {_ZERO_COLLECTIVES[self.op]} [{_ws(self.group)}]"
         if self.op == "migrate":
             return f"migrate [{_ws(self.group)}]"
         if self.op == "all_to_all":
@@ -239,6 +249,9 @@ class Instr:
         if m:
             return cls("all_reduce", group=tuple(int(g[1:]) for g in m[1].split()),
                        ep=(int(m[2]),) if m[2] else None)
+        m = re.fullmatch(r"(reduce_scatter grads|all_gather params) \[((?:w\d+ ?)+)\]", t)
+        if m:
+            return cls(m[1].split()[0], group=_group(m[2]))
         m = re.fullmatch(r"migrate \[((?:w\d+ ?)+)\]", t)
         if m:
             return cls("migrate", group=_group(m[1]))
@@ -270,14 +283,15 @@ def _p2p(op: str, mb: int, peers: tuple, share: tuple[int, int]) -> Instr:
 def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_group,
                   tie_owner: int | None = None, tie_holders: tuple[int, ...] = (),
                   groups=None, rank: int = 0, ep_group: tuple[int, ...] | None = None,
-                  migrate: bool = False) -> list[Instr]:
+                  migrate: bool = False, zero: int = 0) -> list[Instr]:
     """Expand an order of ('F'|'B', mb) compute actions into recv/compute/send instructions,
     then the step's end: tied-gradient hand-over, data-parallel all-reduce, optimizer step,
     tied-parameter update. `tie_owner` is the stage owning parameters this stage holds copies
     of; `tie_holders` the stages holding copies of parameters this one owns. `groups(stage)` is
     a stage's TP group in this replica, `rank` this worker's rank in its own. `ep_group`: the
     EP group of an expert-parallel stage (its programs' all-to-alls; `migrate` adds the
-    step-boundary migration check)."""
+    step-boundary migration check). `zero` 1: the all-reduce is split around the optimizer step
+    (reduce_scatter, opt_step on the shard, all_gather; ZeRO-1)."""
     groups = groups or (lambda st: (worker(st),))
     out: list[Instr] = []
     mine = groups(stage)
@@ -303,10 +317,15 @@ def _stage_stream(order: list[tuple[str, int]], stage: int, S: int, worker, dp_g
     if tie_owner is not None:
         out.append(Instr("send_tied_grads", peer=worker(tie_owner)))
     out += [Instr("recv_tied_grads", peer=worker(h)) for h in tie_holders]
-    if len(dp_group) > 1:
+    sharded = zero and len(dp_group) > 1
+    if sharded:
+        out.append(Instr("reduce_scatter", group=tuple(dp_group)))
+    elif len(dp_group) > 1:
         out.append(Instr("all_reduce", group=tuple(dp_group),
                          ep=(len(ep_group),) if ep_group else None))
     out.append(Instr("opt_step"))
+    if sharded:     # before the tied copies are sent: they must be the whole updated values
+        out.append(Instr("all_gather", group=tuple(dp_group)))
     out += [Instr("send_tied_params", peer=worker(h)) for h in tie_holders]
     if tie_owner is not None:
         out.append(Instr("recv_tied_params", peer=worker(tie_owner)))
@@ -517,11 +536,13 @@ def _peak_inflight(order) -> int:
 
 
 def _chunked_stream(order, p: int, vstages: list[list[int]], worker, dp_group,
-                    ties: dict[int, tuple[int, ...]]) -> list[Instr]:
+                    ties: dict[int, tuple[int, ...]], zero=()) -> list[Instr]:
     """`_stage_stream` for a worker holding chunks: every instruction names its chunk; a
     chunk's neighbours are the virtual stages before and after it, wherever they run (a
     transfer between two chunks of one worker is a send to itself). The step ends with each
-    chunk's tied-gradient hand-over, all-reduce and optimizer step."""
+    chunk's tied-gradient hand-over, all-reduce and optimizer step; a ZeRO-1 chunk (`zero[v]`
+    of its virtual stage v) reduce-scatters instead, and all-gathers after every chunk's
+    optimizer step (the worker updates its chunks together at the last one)."""
     VS = sum(len(cs) for cs in vstages)
     host = {v: q for q, cs in enumerate(vstages) for v in cs}
     mine = vstages[p]
@@ -549,10 +570,14 @@ def _chunked_stream(order, p: int, vstages: list[list[int]], worker, dp_group,
     for c, v in enumerate(mine):
         for q in sorted({host[h] for h in ties.get(v, ())}):
             out.append(Instr("recv_tied_grads", peer=worker(q), chunk=c))
+    sharded = [bool(zero and zero[v]) and len(dp_group) > 1 for v in mine]
     for c in range(len(mine)):
         if len(dp_group) > 1:
-            out.append(Instr("all_reduce", group=tuple(dp_group), chunk=c))
+            out.append(Instr("reduce_scatter" if sharded[c] else "all_reduce",
+                             group=tuple(dp_group), chunk=c))
         out.append(Instr("opt_step", chunk=c))
+    out += [Instr("all_gather", group=tuple(dp_group), chunk=c)
+            for c in range(len(mine)) if sharded[c]]
     for c, v in enumerate(mine):
         for q in sorted({host[h] for h in ties.get(v, ())}):
             out.append(Instr("send_tied_params", peer=worker(q), chunk=c))
@@ -576,17 +601,20 @@ def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int
                   tp: list[int] | tuple[int, ...] | None = None,
                   ep: list[int] | tuple[int, ...] | None = None,
                   migrate: bool = False, virtual: int = 1,
-                  durations: dict | None = None) -> dict[int, list[Instr]]:
+                  durations: dict | None = None,
+                  zero: list[int] | tuple[int, ...] | None = None) -> dict[int, list[Instr]]:
     """Instruction streams for every worker of a dp x num_stages pipeline whose stage s has
     tp[s] ranks (`WorkerLayout`); `ties` is `tied_stage_groups`' owner -> holders map (tied
     parameters are exchanged inside a replica, rank with rank: tied stages share one tp).
     `ep[s]` > 1 makes stage s expert-parallel: replicas b*ep .. b*ep+ep-1 form one EP group
-    (`WorkerLayout.ep_group`); `migrate` adds expert migration at each EP stage's step end."""
+    (`WorkerLayout.ep_group`); `migrate` adds expert migration at each EP stage's step end.
+    `zero[s]` = 1 shards stage s's optimizer state over its dp group (ZeRO-1)."""
     S = num_stages
     ties = ties or {}
+    zero = tuple(zero or (0,) * S)
     if schedule in VIRTUAL_SCHEDULES:
         return _build_chunked_streams(schedule, S, num_microbatches, dp, ties, tp, ep, virtual,
-                                      durations)
+                                      durations, zero)
     lay = WorkerLayout(dp, tuple(tp or (1,) * S))
     owner_of = {h: o for o, hs in ties.items() for h in hs}
     for o, hs in ties.items():
@@ -610,11 +638,11 @@ def build_streams(schedule: str, num_stages: int, num_microbatches: int, dp: int
                     tie_owner=owner_of.get(s), tie_holders=ties.get(s, ()),
                     groups=lambda st, r=r: lay.tp_group(r, st), rank=k,
                     ep_group=lay.ep_group(r, s, eps[s], k) if eps[s] > 1 else None,
-                    migrate=migrate)
+                    migrate=migrate, zero=zero[s])
     return streams
 
 
-def _build_chunked_streams(schedule, VS, m, dp, ties, tp, ep, V, durations):
+def _build_chunked_streams(schedule, VS, m, dp, ties, tp, ep, V, durations, zero=()):
     """build_streams for a virtual-stage schedule: `VS` virtual stages on VS / V workers per
     replica (tp 1, no EP)."""
     if V < 2 or VS % V:
@@ -633,7 +661,7 @@ def _build_chunked_streams(schedule, VS, m, dp, ties, tp, ep, V, durations):
         for s in range(S):
             streams[lay.wid(r, s)] = _chunked_stream(
                 orders[s], s, vstages, worker=lambda st, r=r: lay.wid(r, st),
-                dp_group=list(lay.dp_group(s)), ties=ties)
+                dp_group=list(lay.dp_group(s)), ties=ties, zero=zero)
     return streams
 
 
