@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,10 @@ def _compile(work: Path, mode: str, seq: int) -> Path:
 
 def _run(build: Path, steps: int) -> list[dict]:
     log = build.parent / f"{build.name}.jsonl"
-    subprocess.run([str(BIN / "h2x"), "run", str(build), "--steps", str(steps), "--data", "docs",
+    data = build.parent / "data"          # a snapshot: docs/ may be edited while this runs
+    if not data.exists():
+        shutil.copytree(ROOT / "docs", data)
+    subprocess.run([str(BIN / "h2x"), "run", str(build), "--steps", str(steps), "--data", str(data),
                     "--json-log", str(log)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in log.read_text().splitlines() if '"loss"' in x]
 
