@@ -462,7 +462,11 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
                                          plan.num_microbatches, virtual=plan.virtual)
     chip = cluster.chip(st.chip)
     items = memory_items(la, dev, a, b, inflight, st.recompute)
-    if plan.virtual == 1 and inflight >= plan.num_microbatches > 1:
+    if plan.virtual == 1 and plan.num_microbatches == 1:
+        # one micro-batch: the gradients its backward returns are the step's sums (in the
+        # backward working set), not a second copy
+        items["grads"] = 0
+    elif plan.virtual == 1 and inflight >= plan.num_microbatches > 1:
         # every micro-batch's forward runs before the first backward (GPipe, or 1F1B with
         # m <= S - j): the step's gradient sums first exist once that backward has released
         # its micro-batch's activations
