@@ -333,19 +333,15 @@ class DeviceArrays:
         self.out = la.out
         self.P_params = _prefix(self.params)
         self.P_act = _prefix(self.act)
-        self.P_act_sel = _prefix(self.act * la.sel_frac)
+        self.act_sel = self.act * la.sel_frac
+        self.P_act_sel = _prefix(self.act_sel)
         self.L = la.L
         self.P_out = _prefix(self.out)
-        self.act_sel = self.act * la.sel_frac
         # the logits a rank holds for the loss: TP makes the head and the loss vocabulary-
         # parallel (frontend/tensor_parallel.py); that log-softmax's backward is decomposed into
         # three logits-sized tensors where the fused one holds two
         self.logits = (la.out[-1] / tp) if la.L else 0.0
         self.loss_bwd = 3.0 if tp > 1 else 2.0
-        # [a, e] -> the largest one-layer activation among layers a..e
-        self.act_range_max = np.zeros((la.L, la.L))
-        for i in range(la.L):
-            self.act_range_max[i, i:] = np.maximum.accumulate(self.act[i:])
         self.grad = self.params * la.grad_bytes
         self.P_grad = _prefix(self.grad)
         self._terms: dict = {}
@@ -364,7 +360,14 @@ class DeviceArrays:
     def memory_terms(self, mode: str) -> tuple[np.ndarray, np.ndarray]:
         """(fixed, per_mb), L x L: a stage of layers [a, b) under recomputation `mode` holds
         fixed[a, b-1] + inflight * per_mb[a, b-1] bytes besides its weights, gradients and
-        optimizer state (`memory_items` itemises the same terms; the search reads these)."""
+        optimizer state (the search reads these; `memory_items` itemises them)."""
+        t = self.terms(mode)
+        return t["p2p_buffers"] + t["backward_working_set"], t["activations"] + t["loss"]
+
+    def terms(self, mode: str) -> dict:
+        """Each term of `memory_terms`, L x L ([a, b-1] for layers [a, b); 0 where b <= a):
+        per micro-batch `activations` and `loss`, fixed `p2p_buffers` and
+        `backward_working_set`."""
         if mode not in self._terms:
             L = self.L
             a = np.arange(L)[:, None]
@@ -372,11 +375,19 @@ class DeviceArrays:
             out, Pout = self.out, np.asarray(self.P_out)
             last = b == L
             into = np.where(a > 0, out[np.maximum(a - 1, 0)], 0.0)   # the stage's input
-            if mode == "full":   # each layer's input: the stage's, then layers a..b-2's outputs
-                per_mb = into + Pout[np.maximum(b - 1, a)] - Pout[a]
+            if mode == "full":
+                # Full recomputation (Chen et al. 2016; Korthikanti et al. 2022 Sec. 4.1): each
+                # layer's input is kept — the stage's, then layers a..b-2's outputs; the layer's
+                # backward re-makes the rest (`transient`)
+                act = into + Pout[np.maximum(b - 1, a)] - Pout[a]
+                loss = np.zeros((L, L))
             else:
                 P = np.asarray(self.P_act_sel if mode == "selective" else self.P_act)
-                per_mb = P[b] - P[a] + np.where(last, self.logits, 0.0)   # the loss
+                act = P[b] - P[a]
+                # the loss, a cross-entropy over the logits (h2's default, every causal LM's):
+                # it saves log-probabilities the size of the logits per micro-batch
+                loss = np.where(last, self.logits, 0.0) + np.zeros((L, L))
+            # receive buffers: the incoming boundary activation and the incoming output gradient
             p2p = into + np.where(last, 0.0, out[b - 1])
             # the backward's peak beyond what is held: walking layers b-1 .. a, the parameter
             # gradients made so far (the program returns them together) plus the layer's own
@@ -387,8 +398,10 @@ class DeviceArrays:
             for i in range(L):
                 umax[i, i:] = np.maximum.accumulate(u[i:])
             ws = Pg[b] + np.maximum(umax, -Pg[a])
-            per_mb = np.where(b > a, per_mb, 0.0)
-            self._terms[mode] = (np.where(b > a, p2p + ws, 0.0), per_mb)
+            empty = b <= a
+            self._terms[mode] = {k: np.where(empty, 0.0, v) for k, v in (
+                ("activations", act), ("loss", loss), ("p2p_buffers", p2p),
+                ("backward_working_set", ws))}
         return self._terms[mode]
 
 
@@ -399,24 +412,12 @@ def memory_items(la: LayerArrays, dev: DeviceArrays, a: int, b: int, inflight: i
     p = dev.P_params[b] - dev.P_params[a]
     st = la.state
     items = {"weights": p * st.weights, "grads": p * st.grads, "optimizer": p * st.optimizer}
-    last = b == dev.L
-    into = dev.out[a - 1] if a > 0 else 0.0
-    if recompute == "full":
-        # Full recomputation (Chen et al. 2016; Korthikanti et al. 2022 Sec. 4.1): keep only each
-        # layer's input for every in-flight micro-batch; the layer's backward re-makes the rest
-        # (`DeviceArrays.transient`)
-        items["activations"] = inflight * (into + dev.P_out[b - 1] - dev.P_out[a])
-    else:
-        P = dev.P_act_sel if recompute == "selective" else dev.P_act
-        items["activations"] = inflight * (P[b] - P[a])
-        if last:
-            # the loss, a cross-entropy over the logits (h2's default, every causal LM's): it
-            # saves log-probabilities the size of the logits per in-flight micro-batch
-            items["loss"] = inflight * dev.logits
-    # receive buffers: the incoming boundary activation and the incoming output gradient
-    items["p2p_buffers"] = into + (0.0 if last else dev.out[b - 1])
-    fixed, _ = dev.memory_terms(recompute)
-    items["backward_working_set"] = fixed[a, b - 1] - items["p2p_buffers"]
+    terms = {k: float(v[a, b - 1]) for k, v in dev.terms(recompute).items()}
+    items["activations"] = inflight * terms["activations"]
+    if terms["loss"]:
+        items["loss"] = inflight * terms["loss"]
+    items["p2p_buffers"] = terms["p2p_buffers"]
+    items["backward_working_set"] = terms["backward_working_set"]
     return {k: int(v) for k, v in items.items()}
 
 
