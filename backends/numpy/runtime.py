@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backends.memory import host_storage
 from backends.numpy.ops import NP_DTYPE, NP_DTYPES, kernel_table
 
 _H2_DTYPE = {dt: name for name, dt in NP_DTYPE.items()}
@@ -48,13 +49,8 @@ class NumpyBackend:
     def to_numpy(self, t: np.ndarray) -> np.ndarray:
         return np.asarray(t)
 
-    def storage(self, t) -> tuple | None:
-        """(key, bytes) of the buffer `t` views (its base-most array); None for a non-array."""
-        if not isinstance(t, np.ndarray):
-            return None
-        while isinstance(t.base, np.ndarray):
-            t = t.base
-        return t.__array_interface__["data"][0], t.nbytes
+    # (key, bytes) of the buffer an array views (its base-most array); None for a non-array
+    storage = staticmethod(host_storage)
 
     def device_peak(self) -> None:
         return None

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from h2ir.recompute import MODES as RECOMPUTE_MODES
+
 # zb1: ZB-H1 (Qi et al. 2024), backward split in B and W. Virtual-stage schedules (a worker
 # holds `virtual` layer chunks; h2ir/schedule/streams.py): interleaved (interleaved 1F1B,
 # Narayanan et al. SC'21), izb (interleaved zero bubble), zbv (V-shape zero bubble, 2 chunks)
 SCHEDULES = ("1f1b", "gpipe", "zb1", "interleaved", "izb", "zbv")
 VIRTUAL_SCHEDULES = ("interleaved", "izb", "zbv")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = RECOMPUTE_MODES             # h2ir/recompute.py says what each does
 A2A_ALGOS = ("flat", "halo")
 PLACEMENTS = ("contiguous", "round_robin", "balanced")
 MIGRATION = ("none", "periodic")
