@@ -180,6 +180,9 @@ class LazyWeights:
         """The parameter `name` (any alias) as a fresh fp32 numpy array."""
         from safetensors import safe_open
         key = self.key[name]
+        # opened per tensor on purpose: a file kept open keeps the pages read so far mapped,
+        # and the resident set grows to the whole checkpoint (3.41 GiB against 1.60 GiB for
+        # bench/bench_init_from.py's 1 B model)
         with safe_open(str(self.files[key]), framework="pt") as f:
             return f.get_tensor(key).float().numpy()
 
