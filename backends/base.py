@@ -158,9 +158,10 @@ def compile_program(graph: Graph, backend, metered: bool = False):
         dead = [var(v) for v in n.input_values() if last_use.get(id(v)) == i and id(v) not in keep]
         dead += [var(v) for v in n.outputs if id(v) not in last_use and id(v) not in keep]
         if dead:
+            dead_s = ", ".join(dict.fromkeys(dead))
             if metered:
-                lines.append(f"    _drop({', '.join(dict.fromkeys(dead))})")
-            lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
+                lines.append(f"    _drop({dead_s})")
+            lines.append(f"    del {dead_s}")
     lines.append(f"    return [{', '.join(var(v) for v in graph.outputs)}]")
     code = "\n".join(lines) + "\n"
     scope: dict = dict(consts, _no_comm=_no_comm)
