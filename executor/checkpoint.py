@@ -68,14 +68,46 @@ def file_digest(path: Path) -> dict:
     return {"sha256": sha, "size": size}
 
 
-def _durable_write(path: Path, write) -> dict:
+def _safetensors_digest(f, tensors: dict) -> tuple[str, int] | None:
+    """sha256 and size of a safetensors file just written from `tensors`, hashing its header from
+    the file and its data from memory (a checkpoint's data read back costs a worker as much CPU
+    as hashing it); None where the file is not exactly header + those arrays in its order."""
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head, "little")
+    header = f.read(n)
+    try:
+        entries = json.loads(header)
+    except ValueError:
+        return None
+    entries.pop("__metadata__", None)
+    if set(entries) != set(tensors):
+        return None
+    h, pos = hashlib.sha256(head + header), 0
+    for k, e in sorted(entries.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        a = np.ascontiguousarray(tensors[k])
+        if e["data_offsets"] != [pos, pos + a.nbytes]:
+            return None
+        h.update(memoryview(a).cast("B"))
+        pos += a.nbytes
+    size = 8 + n + pos
+    return (h.hexdigest(), size) if os.fstat(f.fileno()).st_size == size else None
+
+
+def _durable_write(path: Path, write, tensors: dict | None = None) -> dict:
     """write(tmp) a whole file, fsync it, rename it over `path`, fsync the directory; returns the
-    file's {sha256, size} (read back from what was written). No `.tmp` stays behind on an error."""
+    file's {sha256, size}: of the bytes read back, or for a safetensors file of `tensors` its
+    header read back and its data hashed in memory. No `.tmp` stays behind on an error."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
         with open(tmp, "rb") as f:
-            sha, size = _digest(f)
+            got = _safetensors_digest(f, tensors) if tensors is not None else None
+            if got is None:
+                f.seek(0)
+                got = _digest(f)
+            sha, size = got
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -160,7 +192,8 @@ def write_snapshot(root: Path, step: int, wid: int, tensors: dict, meta: dict) -
         _fsync_dir(root)
     invalidate(d)
     st_name, mp_name = worker_files(wid)
-    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)))}
+    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)),
+                                         tensors)}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
 

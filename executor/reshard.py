@@ -161,7 +161,7 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
         if zero:
             meta["zero"] = zero
         reports[wid] = {
-            st_name: _durable_write(d / st_name, lambda p, t=tensors: save_file(t, str(p))),
+            st_name: _durable_write(d / st_name, lambda p, t=tensors: save_file(t, str(p)), tensors),
             mp_name: _durable_write(d / mp_name, lambda p, m=meta: p.write_bytes(msgpack.packb(m)))}
     mark_complete(root, at, build_fingerprint(new.path), reports)
     out(f"resharded {src} ({len(old.workers)} workers) into {d} for {new.path} "

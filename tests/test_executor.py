@@ -191,6 +191,22 @@ def test_a_worker_killed_while_its_checkpoint_is_written_loses_nothing(builds, t
     assert r.returncode == 0 and f"(step {max(done)})" in r.stdout, r.stderr
 
 
+def test_checkpoint_digest_from_memory_equals_the_file(tmp_path):
+    """The writer hashes a safetensors file's data from memory: the digest must be the file's
+    own, for any dtype mix and order, and a file that is not those arrays is read back."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from executor.checkpoint import _durable_write, file_digest
+    t = {"b.w": np.random.rand(3, 5).astype(np.float32), "a": np.arange(7, dtype=np.int64),
+         "c": np.ones(1, np.float16), "empty": np.zeros((0,), np.float32)}
+    got = _durable_write(tmp_path / "x.safetensors", lambda p: save_file(t, str(p)), t)
+    assert got == file_digest(tmp_path / "x.safetensors")
+    other = dict(t, a=np.arange(8, dtype=np.int64))      # not what was written
+    got = _durable_write(tmp_path / "y.safetensors", lambda p: save_file(t, str(p)), other)
+    assert got == file_digest(tmp_path / "y.safetensors")
+
+
 def test_bad_build_dir_is_a_clean_error(tmp_path):
     r = run_cli("h2x", "run", str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "manifest.json" in r.stderr
