@@ -1,6 +1,7 @@
 """HeteroAuto search, uniform baseline, HeteroSpeedupRatio and `h2c plan`."""
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -440,3 +441,129 @@ def test_cli_time_limit_says_the_plan_is_the_best_so_far(plan_inputs, capsys):
     text = capsys.readouterr().out
     assert "TIME LIMIT reached: the best plan so far" in text and "not the search's optimum" in text
     assert main([cj, "--cluster", ct, "--time-limit", "0", "--no-speedup"]) == 2
+
+
+# -- ZeRO-1 ---------------------------------------------------------------------------------------
+
+def _one_block_model():
+    """One transformer block and nothing else, one head: no pipeline can split it and no TP
+    degree divides it, so ZeRO-1 is the only way to hold less of its state per chip."""
+    import dataclasses
+    c = analytic_llama_costs("z", 1, 1024, 1, 4096, 4000, 256, dtype_bytes=2)
+    blocks = tuple(l for l in c.layers if l.kind == "transformer_block")
+    return dataclasses.replace(c, layers=blocks)
+
+
+def _pair(mem):
+    chip = ChipType("A", "cuda", "v", {"bf16": 1e14}, mem, 1e12, efficiency=0.5,
+                    fused_attention=True, **NO_HEADROOM)
+    return Cluster("pair", {"A": chip}, (NodeGroup("A", 1, 2, intra_bw=1e11),), dtype="bf16")
+
+
+def _zero_memory(costs, gb=2):
+    """Per device, the least (over recomputation) each plan of the pair needs: dp 1, and dp 2
+    at zero=0 and zero=1."""
+    from h2ir.plans.plan import Plan, StagePlan
+    names, big = costs.layer_names(), _pair(64 * GiB)
+    need = {}
+    for dp, zero in ((1, 0), (2, 0), (2, 1)):
+        need[dp, zero] = min(stage_memory(costs, Plan("z", "pair", gb, 1, costs.seq_len, [
+            StagePlan("A", dp, names, recompute=rc, zero=zero)], dp=dp), big, 0).total
+            for rc in ("none", "selective", "full"))
+    return need
+
+
+def test_zero_where_only_a_sharded_optimizer_fits():
+    """A capacity between the one-block model's state at zero=1 over two replicas and at
+    zero=0: the search picks dp 2 with ZeRO-1, the plan validates, and proves it optimal."""
+    costs = _one_block_model()
+    need = _zero_memory(costs)
+    assert need[2, 1] < min(need[1, 0], need[2, 0])
+    cluster = _pair((need[2, 1] + min(need[1, 0], need[2, 0])) // 2)
+    r = search(costs, cluster, 2, micro_batch=1)
+    assert (r.plan.dp, [s.zero for s in r.plan.stages]) == (2, [1])
+    check_plan_is_sound(r.plan, costs, cluster)
+    assert r.exact and r.sim.fits
+    with pytest.raises(H2Error, match="fits"):          # the switch: nothing fits without it
+        search(costs, cluster, 2, micro_batch=1, space=PlanSpace(zero=False))
+    # the same plan at zero=0 is over the capacity: the validator says so
+    r.plan.stages[0].zero = 0
+    with pytest.raises(H2Error, match="does not fit in memory"):
+        validate_plan(r.plan, costs, cluster)
+
+
+def test_zero_follows_the_resource_models_times(monkeypatch):
+    """With room for zero=0, ZeRO-1 is chosen where the resource model times it faster: as
+    costed, its reduce-scatter + all-gather move what the all-reduce did and the optimizer
+    step updates half the parameters, so at dp 2 it wins. Under a model whose two halves cost
+    1 ms more each, zero=0 is faster and kept where it fits, ZeRO-1 taken only where it must."""
+    from h2ir.planner.resource import ResourceModel
+    from h2ir.planner.simulate import simulate
+    costs = _one_block_model()
+    need = _zero_memory(costs)
+    roomy, tight = _pair(64 * GiB), _pair((need[2, 1] + min(need[1, 0], need[2, 0])) // 2)
+    r = search(costs, roomy, 2, micro_batch=1, dp_options=[2])
+    assert [s.zero for s in r.plan.stages] == [1] and r.exact
+    r.plan.stages[0].zero = 0
+    assert simulate(costs, r.plan, roomy).step_time_s > r.best.step_time_s
+    halves = ResourceModel.zero_collective_times
+    monkeypatch.setattr(ResourceModel, "zero_collective_times",
+                        lambda *a, **k: tuple(t + 1e-3 for t in halves(*a, **k)))
+    r = search(costs, roomy, 2, micro_batch=1, dp_options=[2])
+    assert [s.zero for s in r.plan.stages] == [0] and r.exact
+    r.plan.stages[0].zero = 1
+    assert simulate(costs, r.plan, roomy).step_time_s > r.best.step_time_s
+    r = search(costs, tight, 2, micro_batch=1)
+    assert (r.plan.dp, [s.zero for s in r.plan.stages]) == (2, [1]) and r.exact
+
+
+def test_no_zero_with_expert_parallelism():
+    """The validator refuses zero=1 on a stage with ep > 1: a line whose types run EP 2 and 1
+    shards only the ep 1 stages, and the searched MoE plan validates."""
+    moe = MoEInfo(num_experts=8, top_k=2, d_model=512, d_ffn=1024, expert_params=0)
+    costs = analytic_llama_costs("moe", 6, 512, 8, 2048, 4000, 256, moe=moe, dtype_bytes=2)
+    cl = two_type_cluster()
+    rm = ResourceModel(costs, cl, 1, costs.seq_len)
+    counts = tuple(sorted(chip_counts(cl).items()))
+    line = StageLine(rm, Config(4, 1, 4, (), (), counts, (("A", 1), ("B", 1)), "1f1b"), "1f1b",
+                     {"A": 2, "B": 1}, "flat")
+    from h2ir.plans.plan import MoEPlan
+    plan = line.plan([0, 4, len(costs.layers)], "moe", cl, 16, costs.seq_len, MoEPlan(ep=2))
+    assert [(plan.stage_ep(j), s.zero) for j, s in enumerate(plan.stages)] == [(2, 0), (1, 1)]
+    validate_plan(plan, costs, cl)
+    r = search(costs, cl, 16, dp_options=[4])
+    check_plan_is_sound(r.plan, costs, cl)
+    assert all(not s.zero for j, s in enumerate(r.plan.stages) if r.plan.stage_ep(j) > 1)
+
+
+# llama_tiny as one transformer block of 7.3 M parameters between a 256-word embedding and head,
+# one attention head (no TP degree > 1): the block cannot be split, so only ZeRO-1 holds less of it
+ONE_BLOCK = ["--arg", "vocab=256", "--arg", "dim=512", "--arg", "n_layers=1", "--arg", "n_heads=1",
+             "--arg", "ffn=4096", "--arg", "max_seq=64"]
+
+
+def test_plan_auto_picks_zero_where_only_it_fits_and_the_run_stays_under_the_cap(tmp_path):
+    """0.13 GiB per worker on the local pair: every zero=0 plan of the one-block model needs
+    more (the whole block's AdamW state on a chip), two replicas with ZeRO-1 need less.
+    `h2c compile --plan auto` picks zero=1, the same plan at zero=0 is refused, and `h2x run`
+    trains with each worker's measured peak under the cap."""
+    from conftest import run_cli
+    from test_recompute import _capped_cluster, _run
+    cl = _capped_cluster(tmp_path, 0.13)
+    shape = ["--global-batch", "4", "--micro-batch", "1", "--seq-len", "64"]
+    b = tmp_path / "auto"
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *ONE_BLOCK, "--cluster", str(cl),
+                "--plan", "auto", *shape, "-o", str(b), timeout=900)
+    assert r.returncode == 0, r.stderr
+    plan = (b / "plan.h2plan").read_text()
+    assert "dp       2" in plan and " zero=1 " in plan, plan
+    plain = tmp_path / "plain.h2plan"
+    plain.write_text(plan.replace(" zero=1 ", " "))
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *ONE_BLOCK, "--cluster", str(cl),
+                "--plan", str(plain), "-o", str(tmp_path / "plain"))
+    assert r.returncode == 2 and "does not fit in memory" in r.stderr, r.stderr
+    log = _run(b, 2)
+    assert all(math.isfinite(x["loss"]) for x in log)
+    cap = 0.13 * 2**30
+    for w, mem in log[-1]["peak_memory"].items():
+        assert mem["tensors"] <= cap, (w, mem)

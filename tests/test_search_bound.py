@@ -49,12 +49,12 @@ def random_case(seed):
     return costs, cluster, shapes, ends, dp, m, mb, schedule
 
 
-def line_and_plan(costs, cluster, shapes, ends, dp, m, mb, schedule):
+def line_and_plan(costs, cluster, shapes, ends, dp, m, mb, schedule, zero=True):
     from h2ir.planner.resource import ResourceModel
     rm = ResourceModel(costs, cluster, mb, costs.seq_len)
     counts = tuple(sorted({c: cluster.count(c) for c in cluster.chip_types}.items()))
     cfg = Config(dp, mb, m, (), (), counts, tuple(shapes), schedule)
-    line = StageLine(rm, cfg, schedule, 1, "flat")
+    line = StageLine(rm, cfg, schedule, 1, "flat", zero=zero)
     plan = line.plan(ends, "r", cluster, m * dp * mb, costs.seq_len, None)
     return rm, line, plan
 
@@ -68,6 +68,23 @@ def test_lower_bound_never_exceeds_the_simulated_step(seed):
     assert e is not None                     # 1000 GiB chips: every split fits
     sim = simulate(costs, plan, cluster, resource=rm)
     assert e[0] <= sim.step_time_s * (1 + 1e-9), (e[0], sim.step_time_s, shapes, ends, dp, m, schedule)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lower_bound_holds_with_and_without_zero(seed):
+    """At dp > 1 the line's plans take ZeRO-1 (its reduce-scatter + all-gather move what the
+    all-reduce did, and the optimizer step is 1/dp): the bound, whose tails are the
+    resource model's for the zero each stage takes, stays under the simulated step, at zero=1
+    and with the dimension switched off, and the sharded plan simulates no slower."""
+    costs, cluster, shapes, ends, _, m, mb, schedule = random_case(seed)
+    steps = {}
+    for zero in (True, False):
+        rm, line, plan = line_and_plan(costs, cluster, shapes, ends, 2, m, mb, schedule, zero)
+        assert [s.zero for s in plan.stages] == [int(zero)] * len(shapes)
+        e = line.estimate(ends)
+        steps[zero] = simulate(costs, plan, cluster, resource=rm).step_time_s
+        assert e[0] <= steps[zero] * (1 + 1e-9), (e[0], steps[zero], shapes, ends, m, schedule)
+    assert steps[True] <= steps[False] * (1 + 1e-9)
 
 
 def test_lower_bound_is_tight_for_equal_stages():

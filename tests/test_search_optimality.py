@@ -7,9 +7,10 @@ space", less partial use, lower-tp-first sequences and TP across nodes) directly
 type's stage sequence (one tp, or a higher tp on its first stages and a lower one on the rest;
 chips beyond a whole stage, or a whole type, idle), every order of the types' blocks with at
 most one type cut into two blocks (A-B-A), every contiguous layer split, recomputation only
-where a stage does not fit otherwise — checks each stage's memory with `stage_memory` and
+where a stage does not fit otherwise, zero=0 — checks each stage's memory with `stage_memory` and
 simulates every plan that fits with `simulate` (every tp rank). HeteroAuto's chosen plan must be
-within 1 % of (or better than: its space is larger) the best on >= 95 % of the instances and
+within 1 % of (or better than: its space is larger, ZeRO-1 included) the best on >= 95 % of the
+instances and
 never more than 5 % slower. The whole space — every plan the validator accepts — is checked on
 tiny clusters in tests/test_planner_bruteforce.py (it is too large to enumerate here).
 

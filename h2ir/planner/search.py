@@ -23,6 +23,8 @@ The plan space (`PlanSpace`, each dimension switchable):
   stage order        any order of the types' blocks; one type may form two blocks (`split_types`:
                      A-B-A orders)
   recompute          per stage: none if it fits, else selective if that fits, else full
+  zero               per stage with dp > 1 and ep 1 (`zero`): ZeRO-1 where zero=0 does not fit at
+                     that recompute, or where the resource model times it faster
   schedule           1f1b and/or gpipe (`schedules`), each with its own memory (in-flight count)
   layer split        contiguous ranges: branch-and-bound DFS on the lower bound
 
@@ -49,7 +51,7 @@ from h2ir.errors import MAX_MICROBATCHES, MAX_WORKERS, H2Error
 from h2ir.plans.plan import MoEPlan, Plan, StagePlan
 from h2ir.planner.resource import (ResourceModel, attention_score_bytes, default_ep_geometry,
                                    device_capacity, dtype_bytes, ep_groups, inflight_microbatches,
-                                   moe_a2a_pass_time, p2p_link, stage_memory)
+                                   moe_a2a_pass_time, p2p_link, stage_memory, zero_optimizer_bytes)
 from h2ir.schedule.streams import WorkerLayout, worker_hosts
 from h2ir.planner.simulate import SimResult, simulate
 
@@ -83,6 +85,7 @@ class PlanSpace:
     schedules: tuple | None = None   # schedules to search; None: the one passed to `search`
     mixed_ep: bool = True        # MoE: an EP degree per chip type (False: one for every stage)
     ep_local: bool = True        # MoE: EP groups inside one node (False: they may cross NICs)
+    zero: bool = True            # ZeRO-1 on stages with dp > 1 and ep 1 (`StageLine.step_end`)
 
 
 @dataclass(frozen=True)
@@ -200,11 +203,13 @@ class SearchResult:
 
 class _KindTable:
     """What one (chip, tp, ep, a2a) stage costs for every layer range [a, b), independent of
-    the in-flight count: prefix sums for time, and the largest in-flight count at which
-    [a, b') still fits for every b' <= b, without recomputation (`inone`), with at most
-    selective recomputation (`isel`) and with any (`iany`). Memory numbers are h2ir/planner/resource.py's (`memory_items`, the attention
-    scores of `attention_score_bytes`, `device_capacity`), evaluated for all (a, b) at once:
-    bytes = base + inflight * per_mb, so a range fits iff inflight <= (cap - base) / per_mb."""
+    the in-flight count: prefix sums for time, and the memory fits (`_Fits`) of zero=0
+    (`plain`) and of zero=1 over dp replicas (`sharded(dp)`, for stages that may shard their
+    optimizer state: dp > 1 and ep 1, as the validator has it). Memory numbers are
+    h2ir/planner/resource.py's (`memory_items`, the attention scores of
+    `attention_score_bytes`, `device_capacity`, `zero_optimizer_bytes`), evaluated for all
+    (a, b) at once: bytes = base + inflight * per_mb, so a range fits iff
+    inflight <= (cap - base) / per_mb."""
 
     def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str):
         lt = rm.layer_times(chip, tp, ep, a2a)
@@ -221,7 +226,8 @@ class _KindTable:
         Pp = np.array(dev.P_params)
         a = np.arange(L)[:, None]
         b = np.arange(1, L + 1)[None, :]
-        state = (Pp[b] - Pp[a]) * rm.la.state.total
+        P = Pp[b] - Pp[a]
+        st = rm.la.state
         # the resource model's own terms of every range [a, b): fixed + inflight * per_mb
         # (`DeviceArrays.memory_terms`, what `memory_items` itemises)
         fixed_n, per_n = dev.memory_terms("none")
@@ -236,37 +242,72 @@ class _KindTable:
         Psc = np.concatenate([[0.0], np.cumsum(sc)])
         sc_rc = np.where(Psc[b] - Psc[a] > 0, sc.max() if L else 0.0, 0.0)
         before = b <= a
+        # (base, per micro-batch) of each recompute tier, besides the model state; and the
+        # gradient sums, for `_Fits.late`
+        tiers = ((fixed_n, per_n + Psc[b] - Psc[a], per_n), (fixed_s + sc_rc, per_s, per_s),
+                 (fixed_f + sc_rc, per_f, per_f))
+        grads = P * st.grads
+        self.plain = _Fits(P * st.total, tiers, grads, cap, before)
+        self._fits_args = (tiers, grads, cap, before)
+        self._P, self._state = P, st
+        self._sharded: dict = {1: self.plain}
+
+    def sharded(self, dp: int) -> "_Fits":
+        """The fits of zero=1 over dp replicas (dp 1: zero=0's)."""
+        if dp not in self._sharded:
+            P, st = self._P, self._state
+            state = P * (st.weights + st.grads) + zero_optimizer_bytes(P * st.optimizer, dp)
+            self._sharded[dp] = _Fits(state, *self._fits_args)
+        return self._sharded[dp]
+
+
+class _Fits:
+    """For one model-state table (bytes of every range [a, b)), the largest in-flight count at
+    which [a, b') still fits for every b' <= b without recomputation (`inone`), with at most
+    selective recomputation (`isel`) and with any (`iany`)."""
+
+    def __init__(self, state: np.ndarray, tiers: tuple, grads: np.ndarray, cap: float,
+                 before: np.ndarray):
+        (fixed_n, per_n, _), (fixed_s, per_s, _), (fixed_f, per_f, _) = tiers
         with np.errstate(divide="ignore", invalid="ignore"):
-            inone = _max_inflight(cap - state - fixed_n, per_n + Psc[b] - Psc[a])
-            isel = _max_inflight(cap - state - fixed_s - sc_rc, per_s)
-            irc = _max_inflight(cap - state - fixed_f - sc_rc, per_f)
+            inone = _max_inflight(cap - state - fixed_n, per_n)
+            isel = _max_inflight(cap - state - fixed_s, per_s)
+            irc = _max_inflight(cap - state - fixed_f, per_f)
         inone[before] = np.inf
         isel[before] = np.inf
         irc[before] = np.inf
         # monotone: what fits without recomputation fits with at most selective, and that
-        # with any (each the max of the in-flight limits of the tiers below it)
-        self.inone = np.minimum.accumulate(inone, axis=1)
+        # with any (each the max of the in-flight limits of the tiers below it); kept as whole
+        # counts (x >= n iff floor(x) >= n), exact in float32 below 2^24 micro-batches
         isel = np.maximum(inone, isel)
-        self.isel = np.minimum.accumulate(isel, axis=1)
-        self.iany = np.minimum.accumulate(np.maximum(isel, irc), axis=1)
-        # for `first_backward_late`: the same terms, and the gradient sums that do not exist
-        # yet while the first backward's micro-batch is still held (`stage_memory`)
-        self.cap, self.before = cap, before
-        self.base_n, self.per_n, self.act_n = state + fixed_n, per_n + Psc[b] - Psc[a], per_n
-        self.base_s, self.per_s = state + fixed_s + sc_rc, per_s
-        self.base_f, self.per_f = state + fixed_f + sc_rc, per_f
-        self.grads = (Pp[b] - Pp[a]) * rm.la.state.grads
+        whole = lambda x: np.clip(np.floor(np.minimum.accumulate(x, axis=1)), -1, 2 ** 24
+                                  ).astype(np.float32)
+        self.inone, self.isel, self.iany = whole(inone), whole(isel), whole(np.maximum(isel, irc))
+        # for `late`: the same terms, and the gradient sums that do not exist yet while the
+        # first backward's micro-batch is still held (`stage_memory`)
+        self.state, self.tiers = state, tiers
+        self.cap, self.before, self.grads = cap, before, grads
 
-    def fits_late(self, inflight: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def limits(self, inflight: int, late: bool, single: bool = False) -> tuple[list, list, list]:
+        """For every start layer a, the furthest end b that fits at `inflight` micro-batches
+        without recomputation, with at most selective and with any (`StageKind`)."""
+        if late or single:
+            return tuple(f.sum(axis=1).tolist() for f in self.late(inflight, single))
+        return tuple((i >= inflight).sum(axis=1).tolist()
+                     for i in (self.inone, self.isel, self.iany))
+
+    def late(self, inflight: int, single: bool = False) -> tuple[np.ndarray, ...]:
         """(fit without recomputation, fit with at most selective, fit with any) at
         `inflight` micro-batches when every
         micro-batch's forward runs before the stage's first backward: the gradient sums then
         first exist once that backward has released its micro-batch's activations, so the peak
-        holds min(grads, one micro-batch's activations) less (resource.stage_memory)."""
+        holds min(grads, one micro-batch's activations) less; with `single` (one micro-batch
+        per step) there are no sums besides the backward's own gradients, so it holds none of
+        them (resource.stage_memory)."""
+        less = (lambda per: self.grads) if single else (lambda per: np.minimum(self.grads, per))
         with np.errstate(invalid="ignore"):
-            none = self.base_n + inflight * self.per_n - np.minimum(self.grads, self.act_n) <= self.cap
-            sel = self.base_s + inflight * self.per_s - np.minimum(self.grads, self.per_s) <= self.cap
-            full = self.base_f + inflight * self.per_f - np.minimum(self.grads, self.per_f) <= self.cap
+            none, sel, full = (self.state + fixed + inflight * per - less(act) <= self.cap
+                               for fixed, per, act in self.tiers)
         none = none | self.before
         sel = none | sel | self.before
         full = sel | full | self.before
@@ -289,31 +330,30 @@ def _max_inflight(room: np.ndarray, per_mb: np.ndarray) -> np.ndarray:
 
 
 class StageKind:
-    """Costing of one stage for a (chip, tp, ep, a2a, in-flight micro-batches) combination:
+    """Costing of one stage for a (chip, tp, ep, a2a, dp, in-flight micro-batches) combination:
     the `_KindTable`'s prefix sums for time, and for every start layer a the furthest end b up
     to which the stage still fits in memory without recomputation (`fit_none`), with at most
     selective recomputation (`fit_sel`) and with full recomputation if needed (`fit_any`):
     fit_none <= fit_sel <= fit_any. A range up to fit_none runs without recomputation, one up
-    to fit_sel with selective, one up to fit_any with full."""
+    to fit_sel with selective, one up to fit_any with full. Where the stage may take ZeRO-1
+    (`zero`) the fits are those of zero=1, its least memory, and `plain_fit` zero=0's (whether
+    it fits at the same recomputation: `StageLine.step_end`)."""
 
     def __init__(self, rm: ResourceModel, chip: str, tp: int, ep: int, a2a: str, inflight: int,
-                 table: _KindTable | None = None, late: bool = False):
+                 table: _KindTable | None = None, late: bool = False, single: bool = False,
+                 zero_dp: int = 1):
         """`late`: every micro-batch's forward runs before the stage's first backward (GPipe,
-        or 1F1B with m <= S - j; `first_backward_late`)."""
+        or 1F1B with m <= S - j; `first_backward_late`); `single`: one micro-batch per step;
+        `zero_dp`: the replicas a ZeRO-1 stage shards over (1: zero=0 only)."""
         t = table or _KindTable(rm, chip, tp, ep, a2a)
         self.chip, self.tp = chip, tp
         self.F, self.B, self.Bsel, self.Brc = t.F, t.B, t.Bsel, t.Brc
         self.FB, self.FBsel, self.FBrc = t.FB, t.FBsel, t.FBrc
         self.tau, self.Pp, self.out = t.tau, t.Pp, t.out
-        if late:
-            none, sel, anyrc = t.fits_late(inflight)
-            self.fit_none = none.sum(axis=1).tolist()
-            self.fit_sel = sel.sum(axis=1).tolist()
-            self.fit_any = anyrc.sum(axis=1).tolist()
-        else:
-            self.fit_none = (t.inone >= inflight).sum(axis=1).tolist()
-            self.fit_sel = (t.isel >= inflight).sum(axis=1).tolist()
-            self.fit_any = (t.iany >= inflight).sum(axis=1).tolist()
+        self.zero = zero_dp > 1
+        self.fit_none, self.fit_sel, self.fit_any = t.sharded(zero_dp).limits(inflight, late, single)
+        self.plain_fit = t.plain.limits(inflight, late, single) if self.zero else \
+            (self.fit_none, self.fit_sel, self.fit_any)
 
     def stage(self, a: int, b: int):
         """(fwd, bwd, recompute) for layers [a, b), or None if they do not fit."""
@@ -324,6 +364,13 @@ class StageKind:
         if b <= self.fit_any[a]:
             return self.F[b] - self.F[a], self.Brc[b] - self.Brc[a], "full"
         return None
+
+    def fits_plain(self, a: int, b: int) -> bool:
+        """Layers [a, b) fit with zero=0 at the recomputation `stage` gives them."""
+        for fit, plain in zip((self.fit_none, self.fit_sel, self.fit_any), self.plain_fit):
+            if b <= fit[a]:
+                return b <= plain[a]
+        return False
 
     def time(self, a: int, b: int) -> float:
         if b <= self.fit_none[a]:
@@ -454,11 +501,12 @@ class StageLine:
     """The ordered stages of one configuration, with everything needed to bound a layer split."""
 
     def __init__(self, rm: ResourceModel, config: Config, schedule: str, ep: int, a2a: str,
-                 kinds: dict | None = None, placed: bool = True):
+                 kinds: dict | None = None, placed: bool = True, zero: bool = True):
         """`placed`: links and all-reduces where the build puts the workers
         (`ResourceModel.placement`: the build's hosts and shared NICs, what the simulator
         charges); without it, the cheaper placement-free formulas (`p2p_link`,
-        `replica_geometry`), which rank lines while they are being formed but bound nothing."""
+        `replica_geometry`), which rank lines while they are being formed but bound nothing.
+        `zero`: stages with dp > 1 and ep 1 may take ZeRO-1 (`step_end`)."""
         self.rm, self.config, self.schedule = rm, config, schedule
         self.a2a = a2a
         self.shapes = config.shapes()
@@ -474,21 +522,24 @@ class StageLine:
             infl = inflight_microbatches(schedule, j, S, self.m)
             late = first_backward_late(infl, self.m)
             e = self.eps[j]
-            key = (id(rm), chip, tp, e, a2a, infl, late)
+            # the dp a ZeRO-1 stage shards over (1: zero=0 only, and tables shared by every dp)
+            zdp = self.dp if zero and self.dp > 1 and e == 1 else 1
+            single = self.m == 1
+            key = (id(rm), chip, tp, e, a2a, zdp, infl, late, single)
             if key not in kinds:
                 tkey = ("table", id(rm), chip, tp, e, a2a)
                 if tkey not in kinds:
                     kinds[tkey] = _KindTable(rm, chip, tp, e, a2a)
-                kinds[key] = StageKind(rm, chip, tp, e, a2a, infl, kinds[tkey], late)
+                kinds[key] = StageKind(rm, chip, tp, e, a2a, infl, kinds[tkey], late, single, zdp)
             self.kinds.append(kinds[key])
-        self.optc = [rm.opt_step_coef(chip) for chip, _ in self.shapes]
-        self.grad_bytes = rm.la.grad_bytes
         # the simulator's p2p: the whole boundary tensor over LinePlacement.boundary's path
         self.bout = rm.la.out.tolist()
         self.placed = placed
         self._place = self._link = None
         self._lb = None
         self._tail_cache: dict = {}
+        # without placement a stage's step-end times depend on its shape alone: lines share them
+        self._shared_tails = None if placed else kinds.setdefault(("tails", id(rm)), {})
 
     # the links are built when first needed: `bound` (compute and memory only) does not read
     # them, and most lines of a large space are bounded and never split (placing one line of
@@ -521,16 +572,39 @@ class StageLine:
         return lat + nbytes / bw if nbytes > 0 else 0.0
 
     def tail_of(self, j: int, a: int, b: int) -> float:
-        """Stage j's gradient all-reduce + optimizer step for layers [a, b)."""
+        """Stage j's gradient exchange + optimizer step for layers [a, b) (`step_end`)."""
+        return self.step_end(j, a, b)[0]
+
+    def step_end(self, j: int, a: int, b: int) -> tuple[float, int]:
+        """(gradient exchange + optimizer step, zero) of stage j holding layers [a, b), as the
+        resource model times them (`ResourceModel.step_end_times`). ZeRO-1 where the stage may
+        take it and zero=0 does not fit at the same recomputation, or the model times it
+        faster (its reduce-scatter + all-gather against the all-reduce, 1/dp of the optimizer
+        step); a tie keeps zero=0. The recomputation is the least zero=1 allows (`StageKind`),
+        so the choice changes only this tail, never the stage's other terms."""
         key = (j, a, b)
-        t = self._tail_cache.get(key)
-        if t is None:
-            chip, tp = self.shapes[j]
-            p = self.kinds[j].Pp[b] - self.kinds[j].Pp[a]
-            t = self.rm.grad_allreduce_time(chip, tp, self.dp, p * self.grad_bytes, self.place, j) \
-                + p * self.optc[j]
-            self._tail_cache[key] = t
-        return t
+        hit = self._tail_cache.get(key)
+        if hit is None:
+            k = self.kinds[j]
+            t0, t1 = self._end_times(j, a, b, k.zero)
+            hit = (t1, 1) if k.zero and (t1 < t0 or not k.fits_plain(a, b)) else (t0, 0)
+            self._tail_cache[key] = hit
+        return hit
+
+    def _end_times(self, j: int, a: int, b: int, zero: bool) -> tuple:
+        """(zero=0's step-end seconds, zero=1's or None) of stage j holding layers [a, b)."""
+        chip, tp = self.shapes[j]
+        e = self.eps[j]
+        skey = (chip, tp, self.dp, e, zero, a, b)
+        shared = self._shared_tails
+        if shared is not None and skey in shared:
+            return shared[skey]
+        end = lambda z: sum(self.rm.step_end_times(chip, tp, self.dp, a, b, e, z, self.place,
+                                                   j)[:2])
+        times = (end(0), end(1) if zero else None)
+        if shared is not None:
+            shared[skey] = times
+        return times
 
     def estimate(self, bounds) -> tuple[float, list] | None:
         """(lower bound of the simulated step, recompute per stage) of a layer split (S+1 layer
@@ -718,7 +792,8 @@ class StageLine:
             e = self.eps[j]
             stages.append(StagePlan(chip=chip, chips=self.dp * tp, layers=names[a:b], tp=tp,
                                     recompute=r[2] if r else "none",
-                                    ep=e if moe is not None and e != moe.ep else None))
+                                    ep=e if moe is not None and e != moe.ep else None,
+                                    zero=self.step_end(j, a, b)[1] if r else 0))
         return Plan(model=costs_model, cluster=cluster.name, global_batch=global_batch,
                     micro_batch=self.config.micro_batch, seq_len=seq_len, stages=stages,
                     dp=self.dp, schedule=self.schedule, moe=moe)
@@ -870,6 +945,7 @@ def tp_reach(rm: ResourceModel, cluster: Cluster, chip: str, n_heads: int) -> in
     cap = device_capacity(cluster.chip(chip))
     for t in [t for t in divisors(n_heads) if t % cpn == 0]:
         dev = rm.la.device(t)
+        # zero=0's state: with ZeRO-1 a smaller degree may do, so this reach offers no fewer
         state = np.asarray(dev.params) * rm.la.state.total
         need = np.minimum.reduce([np.diag(f) + np.diag(p) for f, p in
                                   (dev.memory_terms(r) for r in ("none", "selective", "full"))])
@@ -1054,13 +1130,6 @@ def _configs(costs: ModelCosts, cluster: Cluster, global_batch: int, micro_batch
     return out, counts
 
 
-def _fits_at_all(rm: ResourceModel, cluster: Cluster, counts: dict, dp: int) -> bool:
-    """Cheap necessary condition: one replica's chips can hold the model states at all."""
-    need = float(rm.la.params.sum()) * rm.la.state.total
-    have = sum(cluster.chip(c).mem_bytes * n / dp for c, n in counts.items())
-    return have >= need
-
-
 # ----------------------------------------------------------------------------------------------
 # uniform baseline
 
@@ -1095,7 +1164,7 @@ def _uniform_bounds(costs: ModelCosts, S: int) -> list[int] | None:
 def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, seq_len: int,
                        micro_batches, schedule: str, calibration=None, rms=None, dp_options=None,
                        kinds: dict | None = None, max_tp: int | None = None,
-                       max_ep: int | None = None):
+                       max_ep: int | None = None, zero: bool = True):
     """Uniform plans (one TP degree for all stages, larger-memory chips first, even layer
     split) for every dp / micro-batch / TP; each with its estimate. Sorted, best first."""
     rms = rms if rms is not None else {}
@@ -1119,7 +1188,7 @@ def uniform_candidates(costs: ModelCosts, cluster: Cluster, global_batch: int, s
         eps = {c: ep for c, _ in tps}
         moe = _moe_plan(costs, eps, _a2a_choice(rm, cluster, eps, dict(tps)))
         line = StageLine(rm, cfg, schedule, eps, moe.a2a if moe else "flat", kinds,
-                         placed=False)       # ranks uniform plans only; the best is simulated
+                         placed=False, zero=zero)   # ranks uniform plans; the best is simulated
         bounds = _uniform_bounds(costs, line.S)
         if bounds is None:
             continue
@@ -1178,7 +1247,7 @@ def virtualize(plan: Plan, costs: ModelCosts, schedule: str, virtual: int = 2) -
     for v in range(VS):
         src = plan.stages[owner[v][0]]
         stages.append(StagePlan(src.chip, src.chips, names[bounds[v]:bounds[v + 1]], tp=1,
-                                recompute=src.recompute))
+                                recompute=src.recompute, zero=src.zero))
     return Plan(plan.model, plan.cluster, plan.global_batch, plan.micro_batch, plan.seq_len,
                 stages, dp=plan.dp, schedule=schedule, moe=plan.moe, virtual=virtual)
 
@@ -1471,13 +1540,14 @@ def _cut_order_ok(order: list) -> bool:
 
 
 def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict, m: int,
-                  schedule: str, ep, a2a: str, inflight: int | None = None) -> float:
+                  schedule: str, ep, a2a: str, inflight: int | None = None, dp: int = 1) -> float:
     """A lower bound of every line of a configuration: some stage runs at least T per
     micro-batch, m times, where T is the smallest bottleneck at which the types' chips could
     hold every transformer block (a stage of (chip, tp) holds at most the blocks that fit
     under T by time and by memory at its least in-flight count: GPipe m, 1F1B 1), with each
     type's chips at the tp that holds the most blocks per chip; and one micro-batch crosses
-    every layer on its fastest (chip, tp)."""
+    every layer on its fastest (chip, tp). A stage that may take ZeRO-1 (dp > 1, ep 1) is
+    bounded with its optimizer state sharded."""
     la = rm.la
     block = la.is_block if la.is_block.any() else np.ones(la.L, bool)
     N = int(block.sum())
@@ -1493,9 +1563,13 @@ def _config_bound(rm: ResourceModel, cluster: Cluster, budgets: dict, tps: dict,
             dev = la.device(t, e)
             tb = float(tau[block].min())
             rb = float((tau + np.array(lt.fwd_layer))[block].min())
-            # (a stage whose forwards all run first has no gradient sums at its peak yet)
-            per_param = la.state.total - (la.state.grads if first_backward_late(infl, m) else 0)
-            state = float((dev.params[block] * per_param).min())
+            # (a stage whose forwards all run first, or that runs one micro-batch, has no
+            # gradient sums at its peak)
+            st, p = la.state, dev.params[block]
+            opt = p * st.optimizer
+            opt = zero_optimizer_bytes(opt, dp) if dp > 1 and e == 1 else opt
+            grads = 0 if first_backward_late(infl, m) or m == 1 else st.grads
+            state = float((p * (st.weights + grads) + opt).min())
             act = float(dev.act[block].min())
             out = float(dev.out[block].min())
             # (optimistic, as a bound must be: receive buffers, the loss and the backward's
@@ -1658,17 +1732,24 @@ class _Search:
         else:
             opts = full
         la = rm.la
-        for eps in self._ep_assignments(rm, budgets, tps, m, sched, opts, full):
+        for eps in self._ep_assignments(rm, budgets, tps, dp, m, sched, opts, full):
             bud, tpe = self._ep_budgets(budgets, tps, eps)
-            # model states a replica must hold: experts divide by EP (at most the largest degree)
-            need = (float(la.dense_params.sum())
-                    + float(la.expert_params.sum()) / max(list(eps.values()) or [1])) * la.state.total
+            # model states a replica must hold: experts divide by EP (at most the largest
+            # degree), the optimizer's by dp where a stage may take ZeRO-1 (an ep 1 type), no
+            # gradient sums with one micro-batch (`stage_memory`)
+            st = la.state
+            p = float(la.dense_params.sum()) + \
+                float(la.expert_params.sum()) / max(list(eps.values()) or [1])
+            zero = self.space.zero and dp > 1 and (not eps or min(eps.values()) == 1)
+            need = p * (st.weights + (st.grads if m > 1 else 0)) + (
+                zero_optimizer_bytes(p * st.optimizer, dp) if zero else p * st.optimizer)
             if sum(device_capacity(self.cluster.chip(c)) * B for c, B in bud.items()) < need:
                 continue
             moe = _moe_plan(self.costs, eps, _a2a_choice(rm, self.cluster, eps,
                                                          {c: t[0] for c, t in tpe.items()}))
             a2a = moe.a2a if moe else "flat"
-            lb = _config_bound(rm, self.cluster, bud, tpe, m, sched, eps, a2a)
+            lb = _config_bound(rm, self.cluster, bud, tpe, m, sched, eps, a2a,
+                               dp=dp if self.space.zero else 1)
             if lb < math.inf:
                 self.push(lb, "config", (sched, mb, dp, m, bud, tpe, moe, eps))
 
@@ -1685,7 +1766,7 @@ class _Search:
                 bud[c], tpe[c] = b, ts
         return bud, tpe
 
-    def _ep_assignments(self, rm, budgets, tps, m, sched, opts, full) -> list[dict]:
+    def _ep_assignments(self, rm, budgets, tps, dp, m, sched, opts, full) -> list[dict]:
         """EP degrees per chip type to search, each its own configuration (a lower bound each):
         every degree common to all types (homogeneous EP), each type's largest (of `opts`, and
         of `full`: those that keep all of the type's chips), and with `mixed_ep` the assignment
@@ -1706,7 +1787,8 @@ class _Search:
                 k = _eps_key(eps)
                 if k not in memo:
                     memo[k] = _config_bound(rm, self.cluster, *self._ep_budgets(budgets, tps, eps),
-                                            m, sched, eps, "flat", infl)
+                                            m, sched, eps, "flat", infl,
+                                            dp if self.space.zero else 1)
                 return memo[k]
             cur = {c: max(o) for c, o in opts.items()}
             for _ in range(2):
@@ -1726,7 +1808,8 @@ class _Search:
     def _line(self, sched, mb, dp, m, shapes, moe, eps, placed=True):
         a2a = moe.a2a if moe else "flat"
         cfg = _config_of(dp, mb, m, shapes, self.counts_t, sched)
-        return StageLine(self.rm(mb), cfg, sched, eps or 1, a2a, self.kinds, placed)
+        return StageLine(self.rm(mb), cfg, sched, eps or 1, a2a, self.kinds, placed,
+                         self.space.zero)
 
     def _near(self, chip: str, mb: int, tps: list) -> list:
         """`tps` less the TP degrees past a node beyond `tp_reach` (for coordinate descent:
@@ -1946,7 +2029,8 @@ def search(costs: ModelCosts, cluster: Cluster, global_batch: int, *, seq_len: i
     uniforms = []
     for sched in schedules:
         uniforms += uniform_candidates(costs, cluster, global_batch, seq_len, mbs, sched,
-                                       calibration, s.rms, dp_options, s.kinds, max_tp, max_ep)
+                                       calibration, s.rms, dp_options, s.kinds, max_tp, max_ep,
+                                       space.zero)
     uniforms.sort(key=lambda c: c.estimate_s)
     if not s.sims and not uniforms:
         raise H2Error(f"no plan of {costs.model} fits in {cluster.name}'s memory "
