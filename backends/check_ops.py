@@ -216,6 +216,43 @@ def _grouped_mm_cases(r: Draw, backward: bool) -> list[Case]:
     return cases
 
 
+# depthwise_conv1d: causal with a bias, nn.Conv1d's equal pads (Mamba's conv before its slice)
+# without one, and unequal pads
+CONV_CASES = [dict(b=2, c=16, l=40, k=4, pads=(None, 0), bias=True),
+              dict(b=2, c=8, l=33, k=4, pads=(3, 3), bias=False),
+              dict(b=1, c=6, l=17, k=3, pads=(1, 2), bias=True)]
+
+
+def _conv_cases(r: Draw, backward: bool) -> list[Case]:
+    cases = []
+    for c in CONV_CASES:
+        x, w = r.normal(c["b"], c["c"], c["l"]), r.normal(c["c"], c["k"], scale=0.5)
+        attrs = {"pad_left": c["pads"][0], "pad_right": c["pads"][1]}
+        if not backward:
+            cases.append(Case([x, w, r.normal(c["c"]) if c["bias"] else None], attrs))
+            continue
+        left = c["k"] - 1 if c["pads"][0] is None else c["pads"][0]
+        m = c["l"] + left + c["pads"][1] - c["k"] + 1
+        cases.append(Case([r.normal(c["b"], c["c"], m), x, w], attrs))
+    return cases
+
+
+# selective_scan: Mamba's (one group of B and C, A per channel and state) and Mamba-2's (groups
+# of heads, A one value per head); delta as softplus gives it, A = -exp(A_log) as both init it
+SCAN_CASES = [dict(b=2, d=16, n=8, l=40, g=1, head=1), dict(b=1, d=12, n=4, l=33, g=3, head=2)]
+
+
+def _scan_cases(r: Draw, backward: bool) -> list[Case]:
+    cases = []
+    for c in SCAN_CASES:
+        b, d, n, l, g = c["b"], c["d"], c["n"], c["l"], c["g"]
+        A = -r.rng.uniform(0.5, 8.0, (d // c["head"], n)).repeat(c["head"], axis=0)
+        ins = [r.normal(b, d, l), r.positive(b, d, l, low=0.01, high=0.5), Arg(A),
+               r.normal(b, g, n, l), r.normal(b, g, n, l)]
+        cases.append(Case(([r.normal(b, d, l)] if backward else []) + ins))
+    return cases
+
+
 def _perm_ids(r: Draw, n: int, k: int, rows: int | None = None) -> Arg:
     """Distinct indices < n (k per row): scatter targets without duplicates (whose winner is
     implementation-defined)."""
@@ -360,6 +397,10 @@ SPECS.update({
     "dropout": _dropout_cases,
     "attention_masked": lambda r: _attention_cases(r, backward=False, masked=True),
     "attention_masked_bwd": lambda r: _attention_cases(r, backward=True, masked=True),
+    "depthwise_conv1d": lambda r: _conv_cases(r, backward=False),
+    "depthwise_conv1d_bwd": lambda r: _conv_cases(r, backward=True),
+    "selective_scan": lambda r: _scan_cases(r, backward=False),
+    "selective_scan_bwd": lambda r: _scan_cases(r, backward=True),
     "grouped_mm": lambda r: _grouped_mm_cases(r, backward=False),
     "grouped_mm_bwd": lambda r: _grouped_mm_cases(r, backward=True),
     "gelu_bwd": lambda r: [Case([r.normal(64, 128), r.normal(64, 128, scale=3.0)]),
@@ -460,6 +501,42 @@ def _grouped_mm_bwd64(g, x, w, offs):
     return gx, gw
 
 
+def _conv64(x, w, bias, pad_left, pad_right):
+    left = w.shape[1] - 1 if pad_left is None else pad_left
+    return F.conv1d(F.pad(x, (left, pad_right)), w.unsqueeze(1), bias, groups=x.shape[1])
+
+
+def _conv_bwd64(g, x, w, pad_left, pad_right):
+    """torch autograd through F.conv1d."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    bias = torch.zeros(w.shape[0], dtype=w.dtype, requires_grad=True)
+    return torch.autograd.grad(_conv64(x, w, bias, pad_left, pad_right), (x, w, bias), g)
+
+
+def _scan64(u, delta, A, B, C):
+    """The selective scan as Mamba's paper writes it (Alg. 2), one step at a time: every (b,
+    d) row separately from h = 0, each channel reading its group's B and C."""
+    b, d, l = u.shape
+    per = d // B.shape[1]
+    ys = []
+    for i in range(d):
+        Bi, Ci = B[:, i // per], C[:, i // per]                  # [b, n, l]
+        h = torch.zeros(b, A.shape[1], dtype=u.dtype)
+        yi = []
+        for t in range(l):
+            h = torch.exp(delta[:, i, t, None] * A[i]) * h + \
+                (delta[:, i, t] * u[:, i, t])[:, None] * Bi[:, :, t]
+            yi.append((h * Ci[:, :, t]).sum(-1))
+        ys.append(torch.stack(yi, -1))
+    return torch.stack(ys, 1)
+
+
+def _scan_bwd64(g, u, delta, A, B, C):
+    """torch autograd through `_scan64`: no hand-written gradient shared with either backend."""
+    ins = [t.clone().requires_grad_() for t in (u, delta, A, B, C)]
+    return torch.autograd.grad(_scan64(*ins), ins, g)
+
+
 def _layer_norm_bwd64(g, x, mean, rstd, w, b, n):
     shape = list(x.shape[x.dim() - n:])
     w = torch.ones(shape, dtype=x.dtype) if w is None else w     # ATen gives no dweight without w
@@ -522,6 +599,10 @@ REFERENCE: dict[str, Callable] = {
                                                                   scale=scale),
     "attention_masked": _attention_masked64,
     "attention_masked_bwd": _attention_masked_bwd64,
+    "depthwise_conv1d": _conv64,
+    "depthwise_conv1d_bwd": _conv_bwd64,
+    "selective_scan": _scan64,
+    "selective_scan_bwd": _scan_bwd64,
     "grouped_mm": lambda x, w, offs: _grouped_mm64(x, w, offs),
     "grouped_mm_bwd": lambda g, x, w, offs: _grouped_mm_bwd64(g, x, w, offs),
     "softmax": lambda x, dim: aten._softmax(x, dim, False),
@@ -810,16 +891,17 @@ def check_backend(backend, dtype: str = "f32", seed: int = 0, ops: list[str] | N
 
 
 def format_report(rep: CheckReport) -> str:
+    w = max([18] + [len(r.op) + 2 for r in rep.results])       # the op column
     lines = [f"check-ops: backend {rep.backend}, dtype {rep.dtype}; reference: "
              f"{REFERENCES[rep.reference]} ({rep.reference}) on the rounded inputs; tolerance "
              f"atol {_tolerance(rep.dtype, rep.dtype)[0]:g}, "
              f"rtol {_tolerance(rep.dtype, rep.dtype)[1]:g}",
-             f"{'op':<18}{'dtype':<7}{'reference':<11}{'max abs err':>13}{'max rel err':>13}  result"]
+             f"{'op':<{w}}{'dtype':<7}{'reference':<11}{'max abs err':>13}{'max rel err':>13}  result"]
     for r in rep.results:
         status = "pass" if r.passed else "FAIL" + (f"  ({r.error})" if r.error else "")
         if not r.reference_independent:
             status += "  [reference not independent]"
-        lines.append(f"{r.op:<18}{r.dtype:<7}{r.reference:<11}{r.max_abs:>13.3e}"
+        lines.append(f"{r.op:<{w}}{r.dtype:<7}{r.reference:<11}{r.max_abs:>13.3e}"
                      f"{r.max_rel:>13.3e}  {status}")
     lines.append(f"coverage: {rep.implemented}/{rep.total} ops implemented (COMM and MOE ops are "
                  "executed by the runtime, not by kernels)")

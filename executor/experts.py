@@ -223,7 +223,11 @@ def _move(worker, moe: MoEState, layer: str, old: list[int], new: list[int], ep:
     be = worker.be
     tables = [("param", worker.params), ("exp_avg", worker.exp_avg), ("exp_avg_sq", worker.exp_avg_sq)]
     names = moe.params[layer]
-    host = {(t, k): np.array(be.to_numpy(tab[k])) for t, tab in tables for k in names if k in tab}
+    # each stack viewed as [slots, rows of one expert, ...]: an expert is one slot (DBRX's
+    # [E * F, D] stacks too)
+    raw = {(t, k): np.array(be.to_numpy(tab[k])) for t, tab in tables for k in names if k in tab}
+    shapes = {k: a.shape for (_, k), a in raw.items()}
+    host = {key: a.reshape(per, -1, *a.shape[1:]) for key, a in raw.items()}
     if not host:                     # before anything is sent: no rank is left waiting
         raise H2Error(f"worker w{worker.wid}: MoE layer {layer} has no expert weights here")
     # sends first: DiComm buffers on the receiving side, so no order of ranks can deadlock
@@ -246,4 +250,5 @@ def _move(worker, moe: MoEState, layer: str, old: list[int], new: list[int], ep:
     for t, tab in tables:
         for k in names:
             if (t, k) in fresh:
-                tab[k] = be.from_numpy(np.ascontiguousarray(fresh[(t, k)]), "f32")
+                tab[k] = be.from_numpy(np.ascontiguousarray(fresh[(t, k)].reshape(shapes[k])),
+                                       "f32")

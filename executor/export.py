@@ -132,10 +132,11 @@ def merged_tensors(build: BuildDir, ckpt: Path, prefixes=("param.", "exp_avg.", 
             continue
         order, ep = placements[k], ep_of[k]
         per = len(order) // ep
-        whole = np.empty((len(order),) + ranks[0].shape[1:], dtype=ranks[0].dtype)
+        shape = ranks[0].shape                  # [per * rows of one expert, ...]
+        whole = np.empty((len(order), shape[0] // per) + shape[1:], dtype=ranks[0].dtype)
         for r in range(ep):
-            whole[order[r * per:(r + 1) * per]] = ranks[r]
-        out[prefix][k] = whole
+            whole[order[r * per:(r + 1) * per]] = ranks[r].reshape(per, -1, *shape[1:])
+        out[prefix][k] = whole.reshape(-1, *shape[1:])
     return out
 
 

@@ -43,7 +43,10 @@ import torch.nn.functional as F
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
 from h2ir.graph import Graph
+from frontend import ssm
 from frontend.lower import lower_fx, module_path, op_name, source_info
+from frontend.complex_pairs import to_real_pairs
+from frontend.routing import expert_count, is_routed_experts, make_static
 
 
 @dataclass
@@ -230,25 +233,32 @@ def _signature(m: nn.Module) -> tuple:
 
 
 def _runs(children: list, key) -> list[list]:
-    """Maximal runs of >= 2 consecutive (name, module) children with equal `key(module)`."""
-    out, run = [], []
-    for c in children:
-        if run and key(c[1]) == key(run[-1][1]):
-            run.append(c)
-            continue
-        if len(run) >= 2:
-            out.append(run)
-        run = [c]
-    if len(run) >= 2:
-        out.append(run)
+    """Maximal runs of consecutive (name, module) children whose `key(module)`s repeat with a
+    period p at least twice: p = 1, all alike; p > 1, a pattern of kinds, as a hybrid's
+    state-space and attention blocks alternate. From each start the longest run is taken (the
+    shortest period among equals)."""
+    keys = [key(m) for _, m in children]
+    out, i = [], 0
+    while i < len(keys):
+        best = 1
+        for p in range(1, (len(keys) - i) // 2 + 1):
+            j = i + p
+            while j < len(keys) and keys[j] == keys[j - p]:
+                j += 1
+            if j - i >= 2 * p and j - i > best:
+                best = j - i
+        if best > 1:
+            out.append(children[i:i + best])
+        i += best
     return out
 
 
 def find_blocks(model: nn.Module) -> list[str]:
     """Module paths of the repeated blocks, in order: the candidate with the most parameters among
     * every ModuleList (its elements, whatever they are: transformers' `layers`),
-    * runs of >= 2 consecutive elements of one class in an nn.Sequential,
-    * runs of >= 2 consecutive child modules of one class and parameter shapes anywhere
+    * runs of >= 2 consecutive elements of one class in an nn.Sequential, or of a pattern of
+      classes repeated at least twice (a hybrid's alternating blocks, `_runs`),
+    * such runs of consecutive child modules by class and parameter shapes anywhere
       (`self.b0, self.b1, ...`),
     where a Sequential's or an attribute run's elements must themselves hold submodules (a block,
     not three Linears side by side) and parameters. Expert lists are never the blocks."""
@@ -303,6 +313,10 @@ def _expert_sets(block: nn.Module) -> list[_ExpertSet]:
         if len(stacks) >= 2 and len(counts) == 1 and (E := counts.pop()) >= 2:
             per_expert = sum(p.numel() for p in own if p.dim() >= 2 and p.shape[0] == E) // E
             out.append(_ExpertSet(path, E, tuple(tuple(p.shape[1:]) for p in stacks), per_expert))
+        elif is_routed_experts(m):          # E slices along dim 0 (DBRX's [E * F, D])
+            E = expert_count(m)
+            mats = tuple((p.shape[0] // E, *p.shape[1:]) for p in m.parameters() if p.dim() == 2)
+            out.append(_ExpertSet(path, E, mats, sum(p.numel() for p in m.parameters()) // E))
     return out
 
 
@@ -713,11 +727,20 @@ def _pick_graph_output(gm: torch.fx.GraphModule, model: nn.Module, path: str) ->
 def trace_aten(model: nn.Module, example: tuple, path: str):
     """ATen fx graph + placeholder maps + which capture path was used. What the model's forward
     raises is an error in the model file; what tracing cannot handle names the model's line."""
+    odd = [(k, b.dtype) for k, b in model.named_buffers()
+           if b.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)]
+    if odd:      # builds keep constants in NumPy dtypes, which have no bf16 / fp8
+        raise H2Error(f"buffer {odd[0][0]!r} is {odd[0][1]}; h2 keeps a model's constants in "
+                      f"float32, float16 or integer dtypes", path,
+                      hint="register the buffer in float32 in build_model (the model's "
+                           "arithmetic then promotes to float32 as it would with the bf16 one)")
     try:
         return _trace_aten(model, example)
     except H2Error:
         raise
     except (Exception, SystemExit) as e:
+        if _data_dependent(e) and make_static(model, path):    # per-expert routing loops
+            return trace_aten(model, example, path)
         raise _capture_error(e, path) from None
 
 
@@ -738,19 +761,22 @@ def _no_kv_cache(model: nn.Module):
 
 @contextlib.contextmanager
 def _quiet_fake_tensors():
-    """torch's fake-tensor layer logs every failing meta kernel with its traceback before the
+    """torch's fake-tensor and shape layers log every failing meta kernel or guard before the
     error reaches us; the error itself is what the user is told (`_capture_error`)."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    logs = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor",
+                                           "torch.fx.experimental.symbolic_shapes")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def _trace_aten(model: nn.Module, example: tuple):
-    with _no_kv_cache(model), _quiet_fake_tensors():
+    with _no_kv_cache(model), _quiet_fake_tensors(), ssm.scan_kernels(model):
         return _trace_aten_paths(model, example)
 
 
@@ -792,11 +818,14 @@ def _capture_error(e: BaseException, path: str) -> H2Error:
     frames = traceback.extract_tb(e.__traceback__)
     if isinstance(e, SystemExit) or (frames and not _library_file(frames[-1].filename)):
         return user_code_error(e, path, "the model's forward")     # the model's own code raised
-    data_dependent = "data-dependent" in str(e) or "DataDependent" in type(e).__name__
     return user_code_error(e, path, "the model's forward",
                            message="could not capture the model with torch.fx or torch.export: "
                                    f"{type(e).__name__}: {_one_line(e)}",
-                           hint=_DATA_DEPENDENT if data_dependent else None)
+                           hint=_DATA_DEPENDENT if _data_dependent(e) else None)
+
+
+def _data_dependent(e: BaseException) -> bool:
+    return "data-dependent" in str(e) or "DataDependent" in type(e).__name__
 
 
 def _model_dims(model: nn.Module) -> dict:
@@ -873,6 +902,7 @@ class Capture:
         capture ran on the meta device, where those have no values, so when one is asked for, the
         real model is exported once more on the CPU to read them."""
         out = {k: v for k, v in model.named_buffers(remove_duplicate=False) if k in names}
+        out = {k: torch.view_as_real(v) if v.is_complex() else v for k, v in out.items()}
         out.update({k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)
                     if k in names and not v.requires_grad})
         missing = [k for k in names if k not in out]
@@ -880,7 +910,7 @@ class Capture:
             g = self.graph.attrs
             example = self.model_file.example_inputs(int(g.get("micro_batch", 1)),
                                                      int(g.get("seq_len", 1)))
-            with torch.no_grad():
+            with torch.no_grad(), ssm.scan_kernels(model):
                 ep = torch.export.export(model, tuple(example), strict=False)
             out.update({k: v for k, v in ep.constants.items()
                         if k in missing and isinstance(v, torch.Tensor)})
@@ -961,6 +991,7 @@ def trace_model(path: str, model_args: dict | None = None, micro_batch: int = 1,
         example = mf.example_inputs(micro_batch, seq_len)
     example = tuple(e.to("meta") if isinstance(e, torch.Tensor) else e for e in example)
     agm, pmap, bmap, imap, how = trace_aten(model, example, path)
+    to_real_pairs(agm, path, consts=bmap)       # h2ir has no complex dtypes
     # a frozen parameter (requires_grad=False: a fine-tune's embedding) is a constant of the
     # programs, like a buffer: no gradient, no optimizer state, no all-reduce, never updated
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}

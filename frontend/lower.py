@@ -629,6 +629,60 @@ def _grouped_mm_bwd(em, x, w, offs, g):
     return em("grouped_mm_bwd", g, x, w, offs)
 
 
+def _constant_pad(em, x, pad, value=0.0):
+    """F.pad's constant mode: pad = (last dim's before, after, the dim before's, ...); a
+    negative amount cuts (torch's rule). Cuts by slices, pads by `full`s concatenated."""
+    for i in range(len(pad) // 2):
+        dim = x.type.rank - 1 - i
+        lo, hi = int(pad[2 * i]), int(pad[2 * i + 1])
+        n = x.type.shape[dim]
+        x = _slice(em, x, dim, max(0, -lo), n - max(0, -hi))
+        parts = [x]
+        for at, k in ((0, lo), (1, hi)):
+            if k > 0:
+                shape = _shape(x)
+                shape[dim] = k
+                parts.insert(at * len(parts), em("full", shape=shape, value=value,
+                                                 dtype=x.type.dtype))
+        x = parts[0] if len(parts) == 1 else em("cat", *parts, dim=dim)
+    return x
+
+
+def _pad(em, x, pad, mode="constant", value=None):
+    if mode != "constant":
+        raise Unsupported(f"pad mode {mode!r} (the op set pads with a constant)")
+    return _constant_pad(em, x, pad, 0.0 if value is None else value)
+
+
+def _depthwise_pads(x, w, stride, padding, dilation, transposed, groups) -> int:
+    """The (equal) pad of an ATen convolution the op set's depthwise_conv1d runs: 1-D, stride
+    1, no dilation, one filter per channel (groups = channels)."""
+    if x.type.rank != 3 or w.type.rank != 3 or transposed or list(stride) != [1] \
+            or list(dilation) != [1] or len(padding) != 1 or groups != x.type.shape[1] \
+            or w.type.shape[:2] != (groups, 1):
+        raise Unsupported(f"convolution of {x.type} with {w.type} (stride {list(stride)}, "
+                          f"dilation {list(dilation)}, groups {groups}, transposed {transposed}): "
+                          "the op set has the depthwise 1-D convolution (groups = channels, "
+                          "stride 1) of state-space and gated-convolution mixers only")
+    return int(padding[0])
+
+
+def _convolution(em, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    pad = _depthwise_pads(x, w, stride, padding, dilation, transposed, groups)
+    w2 = em("reshape", w, shape=[w.type.shape[0], w.type.shape[2]])
+    return em("depthwise_conv1d", x, w2, bias, pad_left=pad, pad_right=pad)
+
+
+def _convolution_bwd(em, g, x, w, bias_sizes, stride, padding, dilation, transposed,
+                     output_padding, groups, output_mask):
+    pad = _depthwise_pads(x, w, stride, padding, dilation, transposed, groups)
+    w2 = em("reshape", w, shape=[w.type.shape[0], w.type.shape[2]])
+    gx, gw, gb = em("depthwise_conv1d_bwd", g, x, w2, pad_left=pad, pad_right=pad)
+    gw = em("reshape", gw, shape=_shape(w))
+    return (gx if output_mask[0] else None, gw if output_mask[1] else None,
+            gb if output_mask[2] else None)
+
+
 def _inplace(fn):
     """An in-place ATen op (x.div_(y), inv[perm] = ...) lowered as its functional form; the
     lowering then rebinds the mutated input to the result, so later readers of it see the new
@@ -822,6 +876,17 @@ ATEN: dict = {
     # name: the op exists only once transformers has registered it)
     "transformers::grouped_mm_fallback": _grouped_mm,
     "transformers::grouped_mm_fallback_backward": _grouped_mm_bwd,
+    # a copy with other strides (decompositions keep a non-contiguous input's layout): h2ir
+    # values have no strides, so the same values
+    torch.ops.prims.copy_strided.default: lambda em, x, stride: x,
+    aten.constant_pad_nd.default: _constant_pad,
+    aten.pad.default: _pad,
+    aten.convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_bwd,
+    # the selective scan of Mamba-family mixers (frontend/ssm.py)
+    "h2ssm::selective_scan": lambda em, u, delta, A, B, C: em("selective_scan", u, delta, A, B, C),
+    "h2ssm::selective_scan_bwd": lambda em, g, u, delta, A, B, C: em(
+        "selective_scan_bwd", g, u, delta, A, B, C),
     # tensor parallelism's collectives (frontend/tensor_parallel.py): f is the identity forward
     # (its backward, an all-reduce, is what AOTAutograd writes into the backward program)
     "h2tp::copy": lambda em, x, size: x,
@@ -858,6 +923,9 @@ for _assert in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar"):
     if hasattr(aten, _assert):
         for _ov in getattr(aten, _assert).overloads():
             ATEN[getattr(getattr(aten, _assert), _ov)] = lambda em, *a, **k: None
+# floor(x) = x // 1 (Llama 4's attention temperature); an integer is its own floor
+ATEN[aten.floor.default] = lambda em, x: x if x.type.dtype in ("i64", "i32", "i8", "u8") else \
+    _binary("floor_divide")(em, x, 1.0)
 for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "abs",
               "reciprocal", "sin", "cos", "log1p", "expm1", "erf", "atan", "sign"):
     ATEN[getattr(aten, _name).default] = _unary(_name)

@@ -9,6 +9,9 @@ The cut point is the *experts module* as transformers 5 defines it (integrations
 scoring, top-k, normalisation, shared experts) stays the model's own code; only what happens
 between the routing decision and the weighted sum is h2's. That is the interface of Mixtral,
 Qwen2/3-MoE, DeepSeek-V3, OLMoE, ... in transformers, and of examples/moe_tiny.py's sparse form.
+A module of that call interface whose weights are in another layout (DBRX's [E * F, D] stacks)
+is an experts module too: its experts run through its own forward, one expert at a time
+(frontend/routing.py `expert_output`), and expert parallelism shards its stacks by whole experts.
 
 `install(model, ep=..., capacity=...)` replaces each experts module's forward (on this instance)
 with `experts_forward`, which has static shapes (traceable on the meta device) and no Python loop
@@ -21,6 +24,7 @@ over experts:
                j goes to EP rank j (h2moe::all_to_all, the op set's `ep_all_to_all`); rank j
                now holds its E/ep experts' tokens from every rank, [E/ep, ep*C, D]
     experts    two batched matmuls (bmm) over the local experts: one grouped matmul, not a loop
+               (another weight layout: each local expert's rows through its own forward)
     a2a        back (the same exchange: it is its own inverse)
     combine    each (token, choice) gathers its expert's output row (a dropped one reads a zero
                row) and the rows are summed with the router's weights
@@ -47,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h2ir.errors import H2Error
+from frontend.routing import expert_count, expert_output, forward_args, is_routed_experts
 
 
 # ---- the runtime's points in a program, as torch custom ops -------------------------------------
@@ -161,26 +166,44 @@ def load_balancing_loss(probs: torch.Tensor, top_k_index: torch.Tensor, num_expe
 
 # ---- experts modules ---------------------------------------------------------------------------
 
-def is_experts_module(m: nn.Module) -> bool:
+def has_weight_stacks(m: nn.Module) -> bool:
     """An experts module of transformers 5's form: weight stacks [E, ...] named gate_up_proj (or
-    up_proj) and down_proj, and an activation."""
+    up_proj) and down_proj, and an activation; its experts run as batched matmuls."""
     up = getattr(m, "gate_up_proj", None)
     if up is None:
         up = getattr(m, "up_proj", None)
     down = getattr(m, "down_proj", None)
     return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and up.dim() == 3
-            and down.dim() == 3 and up.shape[0] == down.shape[0] and hasattr(m, "act_fn"))
+            and down.dim() == 3 and up.shape[0] == down.shape[0] and hasattr(m, "act_fn")
+            and len(forward_args(m)) >= 3)        # not Llama 4's experts(hidden) alone
+
+
+def is_experts_module(m: nn.Module) -> bool:
+    """A module h2 runs sparsely: one with weight stacks (`has_weight_stacks`), or any other of
+    transformers' experts interface whose parameters are per-expert stacks (DBRX's; its experts
+    run through its own forward, frontend/routing.py)."""
+    return has_weight_stacks(m) or is_routed_experts(m)
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    out = []
+    for name, m in model.named_modules():
+        if is_experts_module(m) and not any(name.startswith(p + ".") for p, _ in out):
+            out.append((name, m))
+    return out
+
+
+def _stacks(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the per-expert stacks of an experts module: its own parameters, or
+    every parameter under a module that runs through its own forward."""
+    return list(m.named_parameters(recurse=not has_weight_stacks(m)))
 
 
 def expert_param_names(model: nn.Module) -> dict[str, str]:
-    """FQN -> its experts module's path, for every [E, ...] stack of every experts module."""
+    """FQN -> its experts module's path, for every per-expert stack of every experts module."""
     out = {}
     for path, m in experts_modules(model):
-        for pname, _ in m.named_parameters(recurse=False):
+        for pname, _ in _stacks(m):
             out[f"{path}.{pname}" if path else pname] = path
     return out
 
@@ -222,8 +245,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """h2's dispatch / experts / combine (see the module docstring). Installed per instance."""
     E, ep = self.h2_experts, self.h2_ep
     local = E // ep
-    x = hidden_states
-    T, D = x.shape[0], x.shape[-1]
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])      # DBRX passes [B, S, D]
+    T, D = x.shape
     k = top_k_index.shape[-1]
     C = capacity_of(T, k, E, self.h2_capacity)
     flat = top_k_index.reshape(-1)                           # [T*k], token-major
@@ -235,22 +258,25 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     src = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
     buf = x.new_zeros(E * C + 1, D).index_add(0, slot, src)
     buf = buf[:E * C].reshape(E, C, D)
-    transposed = bool(getattr(self, "is_transposed", False))
-    up, up_b, down, down_b = _weights(self)
     if ep > 1:
         buf = buf[self.h2_placement]                         # experts in slot (rank) order
         buf = all_to_all(buf, ep)                            # chunk r: rank r's tokens
         buf = buf.reshape(ep, local, C, D).transpose(0, 1).reshape(local, ep * C, D)
-    h = _linear(buf, up, up_b, transposed)
-    h = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
-    y = _linear(h, down, down_b, transposed)
+    if has_weight_stacks(self):
+        transposed = bool(getattr(self, "is_transposed", False))
+        up, up_b, down, down_b = _weights(self)
+        h = _linear(buf, up, up_b, transposed)
+        h = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
+        y = _linear(h, down, down_b, transposed)
+    else:                   # each local expert through the module's own forward
+        y = torch.stack([expert_output(self, buf[s], s, self.h2_path) for s in range(local)])
     if ep > 1:
         y = y.reshape(local, ep, C, D).transpose(0, 1).reshape(E, C, D)
         y = all_to_all(y, ep)
         y = y[self.h2_slot]                                  # back to expert order
     y = torch.cat([y.reshape(E * C, D), y.new_zeros(1, D)])
     out = y[slot].reshape(T, k, D) * top_k_weights.to(y.dtype).unsqueeze(-1)
-    return out.sum(1).to(hidden_states.dtype)
+    return out.sum(1).to(hidden_states.dtype).reshape(hidden_states.shape)
 
 
 def _default_apply_gate(self, h):
@@ -276,24 +302,26 @@ def install(model: nn.Module, *, ep: int = 1, capacity: float | None = None,
         if getattr(m, "has_post_expert_norm", False):
             raise H2Error(f"experts module '{path}' has a post-expert norm, which h2's sparse "
                           "experts forward does not apply", file)
-        E = int(m.down_proj.shape[0])
+        E = int(m.down_proj.shape[0]) if has_weight_stacks(m) else expert_count(m)
         if E % ep:
             raise H2Error(f"moe: ep={ep} does not divide the {E} experts of '{path}'", file)
         m.h2_experts, m.h2_ep, m.h2_capacity, m.h2_path = E, int(ep), capacity, path
-        if not hasattr(m, "_apply_gate"):
+        if has_weight_stacks(m) and not hasattr(m, "_apply_gate"):
             m._apply_gate = types.MethodType(_default_apply_gate, m)
         if ep > 1:
             order = placement_order(E, ep, placement)
             inv = [0] * E
             for s, e in enumerate(order):
                 inv[e] = s
-            dev = m.down_proj.device
+            dev = next(m.parameters()).device
             m.register_buffer("h2_placement", torch.tensor(order, dtype=torch.long, device=dev))
             m.register_buffer("h2_slot", torch.tensor(inv, dtype=torch.long, device=dev))
-            for pname, p in list(m.named_parameters(recurse=False)):
-                if p.dim() >= 1 and p.shape[0] == E:
-                    setattr(m, pname, nn.Parameter(p.new_empty((E // ep, *p.shape[1:])),
-                                                   requires_grad=p.requires_grad))
+            for pname, p in _stacks(m):
+                if p.dim() >= 1 and p.shape[0] % E == 0:      # E slices: keep E/ep of them
+                    owner, _, leaf = pname.rpartition(".")
+                    setattr(m.get_submodule(owner), leaf,
+                            nn.Parameter(p.new_empty((p.shape[0] // ep, *p.shape[1:])),
+                                         requires_grad=p.requires_grad))
         m.forward = types.MethodType(experts_forward, m)
     return [p for p, _ in mods]
 
@@ -313,6 +341,8 @@ def shards(full: dict, stacks: dict, placements: dict, ep: int) -> list[dict]:
                 continue
             order = placements[path]
             per = len(order) // ep
-            shard[k] = np.ascontiguousarray(v[order[r * per:(r + 1) * per]])
+            slices = v.reshape(len(order), -1, *v.shape[1:])     # [E, rows of one expert, ...]
+            shard[k] = np.ascontiguousarray(
+                slices[order[r * per:(r + 1) * per]].reshape(-1, *v.shape[1:]))
         out.append(shard)
     return out

@@ -308,9 +308,17 @@ def _lower_layer(cap: Capture, u: _Unit, t: _Traced, tag: str) -> _LayerProgram:
     fwd = lower_fx(t.fw, "fwd", inputs=imap, params=pmap, consts=cmap, layer_of=layer,
                    prefix=f"{tag}.")
     out_names = ["loss"] if u.last else [k for k in u.outs if k not in u.passthrough]
-    for v, k in zip(fwd.outputs[:t.n_out], out_names):
-        if not any(x is v for x in fwd.inputs + fwd.consts + fwd.all_params()):
-            v.name = k
+    named: set[int] = set()
+    for i, (v, k) in enumerate(zip(fwd.outputs[:t.n_out], out_names)):
+        if any(x is v for x in fwd.inputs + fwd.consts + fwd.all_params()):
+            continue
+        if id(v) in named:      # two outputs lowered to one value (x and x.clone()): a copy
+            c = Value(k, v.type)
+            fwd.layers[-1].nodes.append(Node("copy", [v], {}, [c]))
+            fwd.outputs[i] = c
+            continue
+        v.name = k
+        named.add(id(v))
     saved_vals = fwd.outputs[t.n_out:]
     if t.bw is None:
         return _LayerProgram(fwd, None, out_names, [], [], [])

@@ -40,6 +40,7 @@ class Group(str, Enum):
     CREATION = "creation"
     COMM = "comm"              # send/recv/all_reduce/all_to_all as first-class graph nodes
     MOE = "moe"                # token dispatch/combine of an expert-parallel region
+    SEQUENCE = "sequence"      # mixers along the time axis: depthwise convolution, selective scan
 
 
 REQUIRED = object()
@@ -415,6 +416,64 @@ def _arange(ins, a):
     return [TensorType(a["dtype"], (len(range(a["start"], a["end"], a["step"])),))]
 
 
+def _conv_pads(x: TensorType, w: TensorType, a) -> tuple[int, int, int]:
+    """(left pad, right pad, output length) of depthwise_conv1d; a left pad of None is k-1."""
+    k = w.shape[1]
+    left = k - 1 if a["pad_left"] is None else a["pad_left"]
+    right = a["pad_right"]
+    if left < 0 or right < 0:
+        raise ValueError(f"depthwise_conv1d pads ({left}, {right}) must be >= 0")
+    return left, right, x.shape[2] + left + right - k + 1
+
+
+def _depthwise_conv1d(ins, a):
+    x, w, bias = ins
+    if x.rank != 3 or w.rank != 2 or w.shape[0] != x.shape[1]:
+        raise ValueError(f"depthwise_conv1d of x {list(x.shape)} ([b, c, l]) with weight "
+                         f"{list(w.shape)} ([c, k])")
+    if isinstance(bias, TensorType) and bias.shape != (x.shape[1],):
+        raise ValueError(f"depthwise_conv1d bias {list(bias.shape)}, expected [{x.shape[1]}]")
+    out = _conv_pads(x, w, a)[2]
+    if out < 1:
+        raise ValueError(f"depthwise_conv1d of length {x.shape[2]} with kernel {w.shape[1]} "
+                         "has no output")
+    return [TensorType(x.dtype, (x.shape[0], x.shape[1], out))]
+
+
+def _depthwise_conv1d_bwd(ins, a):
+    g, x, w = ins
+    if _depthwise_conv1d([x, w, None], a)[0].shape != g.shape:
+        raise ValueError(f"depthwise_conv1d_bwd grad {list(g.shape)} does not fit x "
+                         f"{list(x.shape)} and weight {list(w.shape)}")
+    return [x, w, TensorType(w.dtype, (w.shape[0],))]
+
+
+def _selective_scan(ins, a):
+    u, delta, A, B, C = ins
+    if u.rank != 3 or delta.shape != u.shape:
+        raise ValueError(f"selective_scan u {list(u.shape)} and delta {list(delta.shape)} must "
+                         "both be [b, d, l]")
+    b, d, l = u.shape
+    if A.rank != 2 or A.shape[0] != d:
+        raise ValueError(f"selective_scan A {list(A.shape)}, expected [{d}, n]")
+    n = A.shape[1]
+    if B.rank != 4 or B.shape != C.shape or B.shape[0] != b or B.shape[2:] != (n, l) \
+            or d % B.shape[1]:
+        raise ValueError(f"selective_scan B {list(B.shape)} and C {list(C.shape)} must be "
+                         f"[{b}, g, {n}, {l}] with g dividing {d}")
+    if len({t.dtype for t in ins}) != 1:
+        raise ValueError(f"selective_scan inputs of mixed dtypes {[t.dtype for t in ins]}")
+    return [u]
+
+
+def _selective_scan_bwd(ins, a):
+    if ins[0].shape != ins[1].shape:
+        raise ValueError(f"selective_scan_bwd grad {list(ins[0].shape)} differs from u "
+                         f"{list(ins[1].shape)}")
+    _selective_scan(ins[1:], a)
+    return list(ins[1:])
+
+
 # ---- cost rules ----------------------------------------------------------------------------------
 
 def _numel_out(ins, outs, a):
@@ -481,6 +540,40 @@ def _grouped_mm_flops(ins, outs, a):
 
 def _grouped_mm_bwd_flops(ins, outs, a):
     return 2 * _grouped_mm_flops(ins[1:], outs, a)      # dX = dY W^T and dW = X^T dY per expert
+
+
+def _conv_flops(ins, outs, a):
+    """A multiply-add per output element and tap, and the bias."""
+    k = ins[1].shape[1]
+    return (2 * k + (1 if isinstance(ins[2], TensorType) else 0)) * outs[0].numel
+
+
+def _conv_bwd_flops(ins, outs, a):
+    """dx and dweight: a multiply-add per tap of every output gradient each; dbias: a sum."""
+    g, k = ins[0], ins[2].shape[1]
+    return (4 * k + 1) * g.numel
+
+
+# The selective scan h[t] = exp(delta[t] A) h[t-1] + delta[t] u[t] B[t], y[t] = C[t] . h[t]
+# (Gu & Dao 2023, arXiv 2312.00752, Alg. 2) does per state element (b, d, n) and step: delta*A,
+# exp, (delta u)*B, the recurrence's multiply-add and the C contraction's: 7 FLOPs.
+_SCAN_FWD = 7
+# the backward re-runs the forward recurrence (5), scans the state gradients in reverse (3: C g
+# and a multiply-add) and forms the input gradients: the decay's (h[t-1] a dh: 2), then a
+# product and a sum over states or channels each for delta, u, A, B and C (10)
+_SCAN_BWD = 20
+
+
+def _scan_elements(u: TensorType, A: TensorType) -> int:
+    return u.numel * A.shape[1]
+
+
+def _scan_flops(ins, outs, a):
+    return _SCAN_FWD * _scan_elements(ins[0], ins[2])
+
+
+def _scan_bwd_flops(ins, outs, a):
+    return _SCAN_BWD * _scan_elements(ins[1], ins[3])
 
 
 def _norm_flops(ins, outs, a):
@@ -627,6 +720,19 @@ _op("dropout", Group.NN, ["x", "seed"], {"p": REQUIRED}, infer=_dropout, flops=_
         "(seed[0], seed[1], i), i the row-major element index — the same bits on every backend")
 _op("one_hot", Group.NN, ["ids"], {"num_classes": REQUIRED}, infer=_one_hot, flops=_zero)
 
+_op("depthwise_conv1d", Group.SEQUENCE, ["x", "weight", "bias"], {"pad_left": None, "pad_right": 0},
+    infer=_depthwise_conv1d, flops=_conv_flops, saves=("i0", "i1"), bwd_factor=2.0,
+    doc="out[b,c,t] = bias[c] + sum_j weight[c,j] x[b,c,t+j-pad_left] over x [b,c,l] padded "
+        "with zeros (weight [c,k]; bias may be none); out length l + pad_left + pad_right - k "
+        "+ 1. pad_left None is k-1: with pad_right 0 the causal convolution of Mamba's mixers "
+        "and gated-convolution blocks (step t reads steps t-k+1 .. t)")
+_op("selective_scan", Group.SEQUENCE, ["u", "delta", "A", "B", "C"], infer=_selective_scan,
+    flops=_scan_flops, saves=("i0", "i1", "i2", "i3", "i4"), bwd_factor=_SCAN_BWD / _SCAN_FWD,
+    doc="Mamba's selective scan over u, delta [b,d,l], A [d,n], B, C [b,g,n,l] (channel i "
+        "reads group i // (d/g)): from h = 0, h[b,i,:,t] = exp(delta[b,i,t] A[i,:]) h[b,i,:,t-1] "
+        "+ delta[b,i,t] u[b,i,t] B[b,g,:,t] and y[b,i,t] = sum_n C[b,g,n,t] h[b,i,n,t]. Mamba-2's "
+        "scalar-A heads are the case A[i,:] = A[head]. Skip term, gate, delta's bias and "
+        "softplus are ordinary ops around it")
 _op("embedding", Group.INDEX, ["weight", "ids"], infer=_embedding, flops=_zero, saves=("i1",),
     doc="weight[ids]")
 _op("index", Group.INDEX, ["x", "indices*"], {"dims": REQUIRED}, infer=_index, flops=_zero,
@@ -678,6 +784,13 @@ _op("slice_bwd", Group.GRAD, ["grad"], {"shape": REQUIRED, "dim": REQUIRED, "sta
                                         "end": None, "step": 1},
     infer=lambda i, a: [TensorType(i[0].dtype, tuple(a["shape"]))], flops=_zero,
     doc="zeros of `shape` with grad written into the slice (the gradient of `slice`)")
+_op("depthwise_conv1d_bwd", Group.GRAD, ["grad", "x", "weight"], {"pad_left": None, "pad_right": 0},
+    infer=_depthwise_conv1d_bwd, flops=_conv_bwd_flops,
+    doc="(grad_x, grad_weight, grad_bias) of depthwise_conv1d")
+_op("selective_scan_bwd", Group.GRAD, ["grad", "u", "delta", "A", "B", "C"],
+    infer=_selective_scan_bwd, flops=_scan_bwd_flops,
+    doc="(grad_u, grad_delta, grad_A, grad_B, grad_C) of selective_scan; the states are "
+        "recomputed, not saved")
 _op("nll_loss_bwd", Group.GRAD, ["grad", "logp", "target", "total_weight"],
     {"reduction": "mean", "ignore_index": -100}, infer=_nll_loss_bwd, flops=_numel_out)
 

@@ -1,5 +1,6 @@
 """A model file nobody wrote for h2: one block calls ~70 torch functions a model might (norms done
-by hand, exotic activations, index tricks, reductions, flips, rolls, remainders). The tests
+by hand, exotic activations, index tricks, reductions, flips, rolls, remainders, a causal
+convolution, a recurrence). The tests
 train it on both backends against eager and check its stage gradients against eager autograd
 (tests/test_lowering_fallbacks.py, tests/test_compiler.py)."""
 import torch
@@ -61,7 +62,20 @@ OPS = [
     lambda s, x: torch.cat(x.chunk(4, -1)[::-1], -1),
     lambda s, x: torch.cat([x.narrow(-1, 0, 8), x[..., 8:]], -1) * 1.0,
     lambda s, x: x.clone().index_fill(-1, torch.tensor([0], device=x.device), 0.0),
+    # a causal depthwise convolution (nn.Conv1d padded on both sides, cut to the past) and a
+    # linear recurrence written as a Python loop over the steps
+    lambda s, x: s.dw(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2),
+    lambda s, x: _decayed_sum(x, 0.8),
+    lambda s, x: F.pad(x, (2, -2)) + F.pad(x[:, 1:], (0, 0, 1, 0), value=0.5),
 ]
+
+
+def _decayed_sum(x, a):
+    h, out = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = a * h + (1 - a) * x[:, t]
+        out.append(h)
+    return torch.stack(out, 1)
 
 
 class Block(nn.Module):
@@ -71,6 +85,7 @@ class Block(nn.Module):
         self.gn = nn.GroupNorm(4, d)
         self.mix = nn.Parameter(torch.eye(d) + 0.01 * torch.randn(d, d))
         self.bias = nn.Parameter(torch.zeros(d))
+        self.dw = nn.Conv1d(d, d, 3, groups=d, padding=2)
 
     def forward(self, x):
         h = self.lin(x)

@@ -192,8 +192,13 @@ def _torch_mutants(k):
 
     def index_put(x, values, *indices, dims, accumulate=False):
         return k["index_put"](x, values, *indices, dims=dims, accumulate=False)   # duplicates lost
+
+    def selective_scan_bwd(grad, u, delta, A, B, C):
+        du, ddelta, dA, dB, dC = k["selective_scan_bwd"](grad, u, delta, A, B, C)
+        return du, ddelta, dA, dC, dB                            # dB and dC swapped
     return {"add": add, "softmax": softmax, "bmm": bmm, "rsqrt": rsqrt,
-            "attention_bwd": attention_bwd, "dropout": dropout, "index_put": index_put}
+            "attention_bwd": attention_bwd, "dropout": dropout, "index_put": index_put,
+            "selective_scan_bwd": selective_scan_bwd}
 
 
 def _numpy_mutants(k):
@@ -222,8 +227,13 @@ def _numpy_mutants(k):
 
     def sort(x, dim=-1, descending=False):
         return k["sort"](x, dim, False)                          # descending ignored
+
+    def depthwise_conv1d(x, weight, bias, pad_left=None, pad_right=0):
+        left = weight.shape[1] - 1 if pad_left is None else pad_left
+        return k["depthwise_conv1d"](x, weight, bias, pad_right, left)   # reads the future
     return {"add": add, "softmax": softmax, "mm": mm, "rsqrt": rsqrt, "attention": attention,
-            "attention_masked": attention_masked, "layer_norm_bwd": layer_norm_bwd, "sort": sort}
+            "attention_masked": attention_masked, "layer_norm_bwd": layer_norm_bwd, "sort": sort,
+            "depthwise_conv1d": depthwise_conv1d}
 
 
 @pytest.mark.parametrize("backend,mutants", [(TorchBackend, _torch_mutants),

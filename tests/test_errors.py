@@ -71,6 +71,21 @@ def test_unsupported_op_names_op_module_line_and_what_to_do(tmp_path):
     assert "add a lowering" in r.stderr and "rewrite the model" in r.stderr
 
 
+def test_a_bf16_buffer_is_a_located_error(tmp_path):
+    """Builds keep constants in NumPy dtypes: a bf16 buffer (RecurrentGemma registers one) is
+    named with the model file, not a crash in a measuring child or the weight writer."""
+    f = model_file(tmp_path, body="h * self.scale", extra="""
+        _init = Block.__init__
+        def _with_scale(self):
+            _init(self)
+            self.register_buffer("scale", torch.tensor(2.0, dtype=torch.bfloat16))
+        Block.__init__ = _with_scale
+        """)
+    r = run_cli("h2c", "ir", str(f), "--seq-len", "8")
+    assert_clean(r)
+    assert f"{f}: error: buffer 'layers.0.scale' is torch.bfloat16" in r.stderr
+
+
 @pytest.mark.slow          # ~8 s: it measures layer times
 def test_unsupported_op_first_met_in_calibration_is_one_clean_message(tmp_path):
     """`h2c compile` measures layer times in subprocesses before it captures the model: the

@@ -617,6 +617,119 @@ def nll_loss_bwd(grad, logp, target, total_weight, reduction="mean", ignore_inde
     return out.reshape(logp.shape)
 
 
+# ---- sequence mixers: depthwise convolution, selective scan ---------------------------------------
+
+def _conv_pads(weight, pad_left, pad_right) -> tuple[int, int]:
+    k = weight.shape[1]
+    return (k - 1 if pad_left is None else pad_left), pad_right
+
+
+def depthwise_conv1d(x, weight, bias, pad_left=None, pad_right=0):
+    """One shifted multiply-add per tap over the zero-padded input."""
+    left, right = _conv_pads(weight, pad_left, pad_right)
+    k = weight.shape[1]
+    xp = np.pad(x, ((0, 0), (0, 0), (left, right)))
+    m = xp.shape[2] - k + 1
+    out = np.zeros(x.shape[:2] + (m,), dtype=x.dtype)
+    for j in range(k):
+        out += weight[None, :, j, None] * xp[:, :, j:j + m]
+    if bias is not None:
+        out += bias[None, :, None]
+    return out
+
+
+def depthwise_conv1d_bwd(grad, x, weight, pad_left=None, pad_right=0):
+    """grad_x: the gradient spread back through each tap, the padding cut off; grad_weight and
+    grad_bias: sums over batch and time, accumulated in f64."""
+    left, right = _conv_pads(weight, pad_left, pad_right)
+    k, l = weight.shape[1], x.shape[2]
+    m = grad.shape[2]
+    xp = np.pad(x, ((0, 0), (0, 0), (left, right)))
+    gxp = np.zeros(xp.shape, dtype=x.dtype)
+    for j in range(k):
+        gxp[:, :, j:j + m] += weight[None, :, j, None] * grad
+    acc = _acc(grad.dtype)
+    gw = np.stack([np.einsum("bct,bct->c", grad.astype(acc), xp[:, :, j:j + m].astype(acc))
+                   for j in range(k)], axis=1)
+    gb = grad.sum(axis=(0, 2), dtype=acc)
+    return gxp[:, :, left:left + l], gw.astype(weight.dtype), gb.astype(weight.dtype)
+
+
+# The scan's operands are time-major, channels split into their groups of B and C (d = g r):
+# u, delta, grad [l,b,g,r,1]; A [g,r,n]; B, C [l,b,g,1,n]; every step of the recurrence is then
+# one contiguous slice.
+
+def _steps(t, groups: int):
+    """[b, d, l] -> [l, b, g, r, 1]."""
+    b, d, l = t.shape
+    return np.ascontiguousarray(np.transpose(t, (2, 0, 1))).reshape(l, b, groups, d // groups, 1)
+
+
+def _from_steps(t, shape):
+    """[l, b, g, r] (or with a trailing 1) -> [b, d, l]."""
+    return np.ascontiguousarray(np.transpose(t.reshape(t.shape[0], t.shape[1], -1),
+                                             (1, 2, 0))).reshape(shape)
+
+
+def _scan_operands(u, delta, A, B, C):
+    g, n = B.shape[1], B.shape[2]
+
+    def states(t):
+        return np.ascontiguousarray(np.transpose(t, (3, 0, 1, 2)))[:, :, :, None, :]
+    return _steps(u, g), _steps(delta, g), A.reshape(g, -1, n), states(B), states(C)
+
+
+def _linear_scan(a_log, x, reverse: bool = False):
+    """All states of h[t] = exp(a_log[t]) h[t-1] + x[t] (from h = 0) along the leading axis,
+    in the sequential form: one multiply-add over every state per step (NumPy has nothing
+    faster: the chunked form's small matmuls cost it more than they save). reverse: from the
+    last step back, h[t] = exp(a_log[t]) h[t+1] + x[t]."""
+    a = np.exp(a_log)
+    H = np.empty_like(x)
+    h = np.zeros_like(x[0])
+    for t in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
+        np.multiply(a[t], h, out=H[t])
+        H[t] += x[t]
+        h = H[t]
+    return H
+
+
+def selective_scan(u, delta, A, B, C):
+    """y = C . h over every state of the recurrence (`_linear_scan`), C's sum in f64."""
+    u5, d5, A5, B5, C5 = _scan_operands(u, delta, A, B, C)
+    H = _linear_scan(d5 * A5, (d5 * u5) * B5)
+    return _from_steps(np.sum(H * C5, axis=-1, dtype=np.float64), u.shape).astype(u.dtype)
+
+
+def selective_scan_bwd(grad, u, delta, A, B, C):
+    """The states by the scan forward, their gradients by the scan backward in time
+    (dh[t] = C[t] g[t] + exp(a_log[t+1]) dh[t+1]); then every input's gradient from h, h[t-1]
+    and dh, the sums over states, channels, batch and time in f64."""
+    u5, d5, A5, B5, C5 = _scan_operands(u, delta, A, B, C)
+    g5 = _steps(grad, B.shape[1])
+    a_log = d5 * A5
+    du5 = d5 * u5
+    H = _linear_scan(a_log, du5 * B5)
+    ahead = np.concatenate([a_log[1:], np.zeros_like(a_log[:1])])     # none after the end
+    dH = _linear_scan(ahead, C5 * g5, reverse=True)
+    h_prev = np.concatenate([np.zeros_like(H[:1]), H[:-1]])
+    da_log = dH * np.exp(a_log) * h_prev
+    f64 = np.float64
+    dxB = np.sum(dH * B5, axis=-1, keepdims=True, dtype=f64)          # d loss / d (delta u)
+    du = dxB * d5
+    ddelta = np.sum(da_log * A5, axis=-1, keepdims=True, dtype=f64) + dxB * u5
+    dA = np.sum(da_log * d5, axis=(0, 1), dtype=f64)
+
+    def back(t):                                 # [l, b, g, 1, n] -> [b, g, n, l]
+        return np.transpose(t[:, :, :, 0], (1, 2, 3, 0))
+    dB = back(np.sum(dH * du5, axis=3, keepdims=True, dtype=f64))
+    dC = back(np.sum(H * g5, axis=3, keepdims=True, dtype=f64))
+    dt = u.dtype
+    return (_from_steps(du, u.shape).astype(dt), _from_steps(ddelta, u.shape).astype(dt),
+            dA.reshape(A.shape).astype(dt), np.ascontiguousarray(dB, dtype=dt),
+            np.ascontiguousarray(dC, dtype=dt))
+
+
 # ---- creation ------------------------------------------------------------------------------------
 
 def full(shape, value, dtype="f32"):
@@ -651,5 +764,7 @@ def kernel_table() -> dict:
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
         "gelu_bwd": gelu_bwd, "layer_norm_bwd": layer_norm_bwd,
         "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
+        "depthwise_conv1d": depthwise_conv1d, "depthwise_conv1d_bwd": depthwise_conv1d_bwd,
+        "selective_scan": selective_scan, "selective_scan_bwd": selective_scan_bwd,
     })
     return {name: _as_array(fn) for name, fn in ops.items()}

@@ -442,6 +442,142 @@ def grouped_mm_bwd(grad, x, w, offsets):
     return gx, gw
 
 
+# ---- sequence mixers: depthwise convolution, selective scan ---------------------------------------
+
+def _left_pad(weight, pad_left) -> int:
+    return weight.shape[1] - 1 if pad_left is None else pad_left
+
+
+def depthwise_conv1d(x, weight, bias, pad_left=None, pad_right=0):
+    """ATen's convolution with one filter per channel: equal pads are its padding, unequal
+    ones are written into x first."""
+    left = _left_pad(weight, pad_left)
+    if left != pad_right:
+        x, left = F.pad(x, (left, pad_right)), 0
+    return aten.convolution(x, weight.unsqueeze(1), bias, [1], [left], [1], False, [0],
+                            x.shape[1])
+
+
+def depthwise_conv1d_bwd(grad, x, weight, pad_left=None, pad_right=0):
+    left = _left_pad(weight, pad_left)
+    l, xp, pad = x.shape[2], x, left
+    if left != pad_right:
+        xp, pad = F.pad(x, (left, pad_right)), 0
+    gx, gw, gb = aten.convolution_backward(grad, xp, weight.unsqueeze(1), [weight.shape[0]], [1],
+                                           [pad], [1], False, [0], x.shape[1], [True, True, True])
+    if pad != left:
+        gx = gx[:, :, left:left + l]
+    return gx, gw.squeeze(1), gb
+
+
+# The scan's operands are time-major, channels split into their groups of B and C (d = g r):
+# u, delta, grad [l,b,g,r,1]; A [g,r,n]; B, C [l,b,g,1,n]; every step of the recurrence is then
+# one contiguous slice. They compute in f32 (f64 for f64).
+
+def _steps(t, groups: int):
+    """[b, d, l] -> [l, b, g, r, 1]."""
+    b, d, l = t.shape
+    return t.to(_acc_dtype(t.dtype)).permute(2, 0, 1).reshape(l, b, groups, d // groups, 1)
+
+
+def _from_steps(t, shape):
+    """[l, b, g, r] (or with a trailing 1) -> [b, d, l]."""
+    return t.reshape(t.shape[0], t.shape[1], -1).permute(1, 2, 0).reshape(shape)
+
+
+def _scan_operands(u, delta, A, B, C):
+    g, n = B.shape[1], B.shape[2]
+    states = lambda t: t.to(_acc_dtype(u.dtype)).permute(3, 0, 1, 2).unsqueeze(3)   # noqa: E731
+    return (_steps(u, g), _steps(delta, g), A.to(_acc_dtype(u.dtype)).reshape(g, -1, n),
+            states(B), states(C))
+
+
+def linear_scan_sequential(a_log, x, reverse: bool = False):
+    """All states of h[t] = exp(a_log[t]) h[t-1] + x[t] (from h = 0) along the leading axis,
+    one step at a time, one fused multiply-add over every state per step (Mamba's reference
+    loop, as transformers' slow path runs it). reverse: from the last step back,
+    h[t] = exp(a_log[t]) h[t+1] + x[t]."""
+    a = torch.exp(a_log)
+    H = torch.empty_like(x)
+    h = torch.zeros_like(x[0])
+    for t in (reversed(range(x.shape[0])) if reverse else range(x.shape[0])):
+        h = torch.addcmul(x[t], a[t], h, out=H[t])
+    return H
+
+
+SCAN_CHUNK = 16
+
+
+def linear_scan_chunked(a_log, x, reverse: bool = False, chunk: int = SCAN_CHUNK):
+    """The same states in chunks (Mamba-2's chunked scan, Dao & Gu 2024, arXiv 2405.21060,
+    Sec. 6): inside each chunk every state from a zero start by one batched matmul with the
+    decays exp(S[t] - S[s]), s <= t (S: the chunk's prefix sums, taken in f64 so that their
+    differences keep f32's precision); then one carried state per chunk, in order, decayed
+    into every state of the next: L / chunk sequential steps instead of L."""
+    if reverse:
+        return linear_scan_chunked(a_log.flip(0), x.flip(0), chunk=chunk).flip(0)
+    L, *rest = x.shape
+    n = -(-L // chunk)
+    pad = (0, 0) * len(rest) + (0, n * chunk - L)
+    a = F.pad(a_log, pad).reshape(n, chunk, *rest).movedim(1, -1)       # [n, ..., chunk]
+    xs = F.pad(x, pad).reshape(n, chunk, *rest).movedim(1, -1)
+    S = torch.cumsum(a.to(torch.float64), dim=-1)
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).triu(1)
+    decay = torch.exp((S[..., :, None] - S[..., None, :]).to(x.dtype).masked_fill(later, -math.inf))
+    local = torch.matmul(decay, xs.unsqueeze(-1)).squeeze(-1)
+    through = torch.exp(S[..., -1]).to(x.dtype)
+    h, h_in = torch.zeros_like(x[0]), []
+    for c in range(n):
+        h_in.append(h)
+        h = through[c] * h + local[c, ..., -1]
+    H = local + torch.exp(S).to(x.dtype) * torch.stack(h_in).unsqueeze(-1)
+    return H.movedim(-1, 1).reshape(n * chunk, *rest)[:L]
+
+
+SCANS = {"sequential": linear_scan_sequential, "chunked": linear_scan_chunked}
+
+
+def _selective_scan(scan):
+    def selective_scan(u, delta, A, B, C):
+        """y = C . h over the states of the recurrence (`scan`), in f32."""
+        u5, d5, A5, B5, C5 = _scan_operands(u, delta, A, B, C)
+        H = scan(d5 * A5, (d5 * u5) * B5)                       # [l, b, g, r, n]
+        return _from_steps((H * C5).sum(-1), u.shape).to(u.dtype)
+    return selective_scan
+
+
+def _selective_scan_bwd(scan):
+    def selective_scan_bwd(grad, u, delta, A, B, C):
+        """The states forward and their gradients by the same scan backward in time,
+        dh[t] = C[t] g[t] + exp(a_log[t+1]) dh[t+1]; then every input's gradient at once from
+        h, h[t-1] and dh (the chain rule through exp(delta A) and delta u B)."""
+        u5, d5, A5, B5, C5 = _scan_operands(u, delta, A, B, C)
+        g5 = _steps(grad, B.shape[1])
+        a_log = d5 * A5
+        du5 = d5 * u5
+        H = scan(a_log, du5 * B5)
+        ahead = torch.cat([a_log[1:], torch.zeros_like(a_log[:1])])   # none after the end
+        dH = scan(ahead, C5 * g5, reverse=True)
+        h_prev = torch.cat([torch.zeros_like(H[:1]), H[:-1]])
+        da_log = dH * torch.exp(a_log) * h_prev
+        dxB = (dH * B5).sum(-1, keepdim=True)                   # d loss / d (delta u)
+        du = dxB * d5
+        ddelta = (da_log * A5).sum(-1, keepdim=True) + dxB * u5
+        dA = (da_log * d5).sum((0, 1))
+        back = lambda t: t.squeeze(3).permute(1, 2, 3, 0)               # noqa: E731
+        dB = back((dH * du5).sum(3, keepdim=True))
+        dC = back((H * g5).sum(3, keepdim=True))
+        dtype = u.dtype
+        return (_from_steps(du.squeeze(-1), u.shape).to(dtype),
+                _from_steps(ddelta.squeeze(-1), u.shape).to(dtype),
+                dA.reshape(A.shape).to(dtype), dB.to(dtype), dC.to(dtype))
+    return selective_scan_bwd
+
+
+selective_scan = _selective_scan(linear_scan_sequential)
+selective_scan_bwd = _selective_scan_bwd(linear_scan_sequential)
+
+
 # ---- the table -----------------------------------------------------------------------------------
 
 def _autocast_bf16(fn, n_tensor_inputs: int, keep: tuple = ()):
@@ -462,16 +598,25 @@ def _autocast_bf16(fn, n_tensor_inputs: int, keep: tuple = ()):
     return kernel
 
 
-def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: str = "auto") -> dict:
+def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: str = "auto",
+                 scan: str = "auto") -> dict:
     """h2ir op name -> kernel for tensors on `device`.
 
     attention: 'flash' (ATen's CPU flash kernels), 'math' (any device) or 'auto' (flash on CPU).
+    scan: the selective scan's 'sequential' or 'chunked' form, or 'auto': sequential on the
+    CPU (a step costs one fused multiply-add there; chunks' small matmuls cost more), chunked
+    elsewhere (L / chunk sequential steps, the rest batched matmuls).
     """
     if dtype_policy not in DTYPE_POLICIES:
         raise ValueError(f"unknown dtype policy {dtype_policy!r} (expected one of "
                          f"{', '.join(DTYPE_POLICIES)})")
     if attention == "auto":
         attention = "flash" if device.type == "cpu" else "math"
+    if scan == "auto":
+        scan = "sequential" if device.type == "cpu" else "chunked"
+    if scan not in SCANS:
+        raise ValueError(f"unknown scan form {scan!r} (expected auto or one of "
+                         f"{', '.join(SCANS)})")
     attn_fwd, attn_bwd, masked_fwd, masked_bwd = {
         "flash": (attention_flash_cpu, attention_bwd_flash_cpu, attention_masked_flash_cpu,
                   attention_masked_bwd_flash_cpu),
@@ -511,6 +656,9 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
         "silu_bwd": silu_bwd, "softmax_bwd": softmax_bwd, "log_softmax_bwd": log_softmax_bwd,
         "gelu_bwd": gelu_bwd, "layer_norm_bwd": layer_norm_bwd,
         "embedding_bwd": embedding_bwd, "nll_loss_bwd": nll_loss_bwd, "slice_bwd": slice_bwd,
+        "depthwise_conv1d": depthwise_conv1d, "depthwise_conv1d_bwd": depthwise_conv1d_bwd,
+        "selective_scan": _selective_scan(SCANS[scan]),
+        "selective_scan_bwd": _selective_scan_bwd(SCANS[scan]),
     })
     if dtype_policy == "bf16":
         ops["mm"] = _autocast_bf16(torch.mm, 2)

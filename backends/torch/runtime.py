@@ -20,13 +20,14 @@ class TorchBackend:
     name = "torch"
     dtypes = set(TORCH_DTYPE)
 
-    def __init__(self, device: str = "cpu", dtype_policy: str = "fp32", attention: str = "auto"):
+    def __init__(self, device: str = "cpu", dtype_policy: str = "fp32", attention: str = "auto",
+                 scan: str = "auto"):
         if dtype_policy not in DTYPE_POLICIES:
             raise ValueError(f"unknown dtype policy {dtype_policy!r} (expected one of "
                              f"{', '.join(DTYPE_POLICIES)})")
         self.device = torch.device(device)
         self.dtype_policy = dtype_policy
-        self.ops = kernel_table(self.device, dtype_policy, attention)
+        self.ops = kernel_table(self.device, dtype_policy, attention, scan)
 
     def __repr__(self) -> str:
         return f"TorchBackend(device={str(self.device)!r}, dtype_policy={self.dtype_policy!r})"
