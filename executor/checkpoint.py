@@ -4,10 +4,12 @@
                                          optimizer state for a tied parameter's copy; with
                                          ZeRO-1 the moments of the worker's shard only: 1-D
                                          segments of the flattened parameters)
-    ckpt/step_00000010/w0.msgpack        {step, data_position, opt_steps, rng; zero: the shard
-                                         layout, executor/zero.py}
+    ckpt/step_00000010/w0.msgpack        {step, build, lineage, data_position, opt_steps, rng;
+                                         zero: the shard layout, executor/zero.py}
     ckpt/step_00000010/COMPLETE          JSON, written by h2x once every worker's files are durable:
-                                         {format, step, build, files: {name: {sha256, size}}}
+                                         {format, step, build, lineage, files: {name: {sha256,
+                                         size}}}
+    ckpt/.h2x-ckpt.lock                  the run writing here (executor/rundir.py RunLock)
 
 What is guaranteed:
 - A worker removes the step directory's COMPLETE (and syncs the directory) before it writes any
@@ -15,17 +17,25 @@ What is guaranteed:
   which resume skips — never a mix of two runs' files under an old COMPLETE.
 - Each file is written to `NAME.tmp`, fsynced, renamed, and the directory fsynced; the worker
   reports the file's sha256 and size, and the launcher writes COMPLETE (the same way) only after
-  every worker reported. A `.tmp` left by a killed writer is removed by the next run.
-- COMPLETE records the fingerprint of the build it belongs to (`build_fingerprint`): resuming a
-  checkpoint of another build is an error, not a silent load of mismatched state.
+  every worker reported. What a killed writer leaves — a `.tmp`, or safetensors' own `.tmpXXXXXX`
+  inside it — is removed by the next run that locks the directory (never while another run
+  holds it: its files in flight are not partial).
+- A checkpoint is bound to its step, its build and its run: the directory's name, COMPLETE and
+  every worker's metadata record the same step, the same build fingerprint (`build_fingerprint`)
+  and the same lineage (a fresh run's random id, kept by every run resumed from it:
+  `run_identity`). A renamed or copied step directory, or worker files of another run or build,
+  are skipped with a note.
 - Resume checks every file against its recorded size and sha256; a missing, truncated or changed
-  file is named, and the previous complete checkpoint is tried.
+  file is named, and the previous complete checkpoint is tried; so is a checkpoint of another
+  build (a directory several builds share).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
+import secrets
 from pathlib import Path
 
 import msgpack
@@ -33,9 +43,13 @@ import numpy as np
 
 from h2ir.errors import H2Error
 
-FORMAT = "h2-ckpt/1"
+FORMAT = "h2-ckpt/2"        # 2: step, build and lineage in every worker's metadata
 MARKER = "COMPLETE"
 _CHUNK = 1 << 20
+MAX_META_BYTES = 64 << 20   # a worker's msgpack metadata (ZeRO segments, MoE placements)
+# safetensors writes NAME through a temporary file of its own in the same directory
+# (the tempfile crate's `.tmp` and six random characters), then renames it
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -147,11 +161,12 @@ def snapshot(worker, step: int) -> tuple[dict, dict]:
                                               copy=True)
     # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position;
     # the per-source sample counts and epochs are recorded beside it for a reader
-    meta = {"step": step, "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
+    run = (getattr(worker, "opt", None) or {}).get("run") or {}
+    meta = {"step": step, "build": run.get("build"), "lineage": run.get("lineage"),
+            "data_position": step, "opt_steps": worker.opt_steps, "rng": None,
             "worker": worker.wid, "stage": worker.stage_idx,
             "skipped_in_row": getattr(worker, "skipped_in_row", 0)}
-    data = getattr(worker, "data", None) or next(
-        (ch.data for ch in getattr(worker, "chunks", ()) if ch.data is not None), None)
+    data = _data_of(worker)
     if data is not None:
         meta["data"] = data.position(step)
     zero = zero_layout(worker)
@@ -162,6 +177,33 @@ def snapshot(worker, step: int) -> tuple[dict, dict]:
         meta["moe_placement"] = {p: list(o) for p, o in moe.placement.items()}
         meta["moe_load_ema"] = {p: [float(x) for x in v] for p, v in moe.load_ema.items()}
     return tensors, meta
+
+
+def _data_of(worker):
+    """The batches a worker draws (a virtual-stage worker's: its chunks'), or None."""
+    return getattr(worker, "data", None) or next(
+        (ch.data for ch in getattr(worker, "chunks", ()) if ch.data is not None), None)
+
+
+def data_note(meta: dict, worker, d: Path) -> str | None:
+    """A note when the run resumes checkpoint `d` with other data than it was written with:
+    other sources, windows, global batch or order (the samples then are not the ones the
+    checkpointed run would have drawn next)."""
+    data, then = _data_of(worker), meta.get("data")
+    if data is None or not isinstance(then, dict):
+        return None
+    now = data.position(int(meta["step"]))
+
+    def shown(p: dict) -> str:
+        srcs = p.get("sources") if isinstance(p.get("sources"), list) else []
+        return ", ".join(f"{s.get('name')} ({s.get('windows')} windows)" for s in srcs
+                         if isinstance(s, dict)) + \
+            f"; global batch {p.get('global_batch')}, " + \
+            ("shuffled" if p.get("shuffle") else "in order")
+    if shown(then) == shown(now):
+        return None
+    return (f"note: resuming {d.name} with other data than it was written with (then: "
+            f"{shown(then)}; now: {shown(now)}); the run continues on the new data")
 
 
 def zero_layout(worker) -> dict | None:
@@ -210,7 +252,9 @@ class NonFinite(Exception):
         self.names = names
 
 
-def load_worker_checkpoint(d: Path, worker) -> None:
+def load_worker_checkpoint(d: Path, worker) -> dict:
+    """Load this worker's files of checkpoint `d` (verified by the launcher) into `worker`;
+    returns its metadata. Worker 0 notes data other than the checkpoint's (`data_note`)."""
     from safetensors.numpy import load_file
     st_name, mp_name = worker_files(worker.wid)
     f, mf = d / st_name, d / mp_name
@@ -219,7 +263,7 @@ def load_worker_checkpoint(d: Path, worker) -> None:
     except Exception as e:          # safetensors raises its own error type for a bad header
         raise H2Error(f"cannot read checkpoint file: {e}", str(f)) from None
     try:
-        meta = msgpack.unpackb(mf.read_bytes())
+        meta = _read_meta(mf)
         opt_steps = int(meta["opt_steps"])
     except Exception as e:
         raise H2Error(f"cannot read checkpoint metadata: {type(e).__name__}: {e}", str(mf)) from None
@@ -257,6 +301,23 @@ def load_worker_checkpoint(d: Path, worker) -> None:
         moe.load_ema = {p: [float(x) for x in v]
                         for p, v in (meta.get("moe_load_ema") or {}).items()}
         worker.set_placement_consts(moe.placement)
+    note = data_note(meta, worker, d) if worker.wid == 0 else None
+    emit = getattr(worker, "emit", None)
+    if note and emit is not None:
+        emit({"event": "log", "text": note})
+    return meta
+
+
+def _read_meta(mf: Path) -> dict:
+    """A worker's msgpack metadata, read within MAX_META_BYTES (a dict, or ValueError)."""
+    with open(mf, "rb") as fh:
+        raw = fh.read(MAX_META_BYTES + 1)
+    if len(raw) > MAX_META_BYTES:
+        raise ValueError(f"larger than {MAX_META_BYTES >> 20} MiB")
+    meta = msgpack.unpackb(raw)
+    if not isinstance(meta, dict):
+        raise ValueError(f"not a map (got {type(meta).__name__})")
+    return meta
 
 
 def _zero_text(z: dict | None) -> str:
@@ -282,9 +343,10 @@ def build_fingerprint(build_path: Path) -> str:
 
 def mark_complete(root: Path, step: int, fingerprint: str, reports: dict[int, dict]) -> None:
     """COMPLETE for `step`, once every worker reported its files' digests ({wid: {name: {sha256,
-    size}}}); a reported file that is not there with its size is a bug or a disk problem."""
+    size}}}); a reported file that is not there with its size is a bug or a disk problem, and
+    so is a worker's metadata that names another step, build or run than its peers'."""
     d = step_dir(root, step)
-    files = {}
+    files, lineages = {}, set()
     for wid in sorted(reports):
         for name, dig in reports[wid].items():
             p = d / name
@@ -297,9 +359,49 @@ def mark_complete(root: Path, step: int, fingerprint: str, reports: dict[int, di
                 raise H2Error(f"checkpoint file is {size} bytes, its worker wrote {dig['size']}",
                               str(p))
             files[name] = {"sha256": dig["sha256"], "size": dig["size"]}
-    record = {"format": FORMAT, "step": step, "build": fingerprint, "workers": sorted(reports),
+        mf = d / worker_files(wid)[1]
+        try:
+            meta = _read_meta(mf)
+        except Exception as e:          # OSError, or msgpack's own error types
+            raise H2Error(f"cannot read checkpoint metadata: {type(e).__name__}: {e}",
+                          str(mf)) from None
+        if meta.get("step") != step or meta.get("build") != fingerprint:
+            raise H2Error(f"worker w{wid}'s checkpoint metadata records step "
+                          f"{_short(meta.get('step'))} of build {_short(meta.get('build'))}; this "
+                          f"run writes step {step} of build {fingerprint[:12]}", str(mf))
+        lineages.add(meta.get("lineage"))
+    if len(lineages) > 1:
+        raise H2Error(f"the workers' files of step {step} record different runs (lineages "
+                      f"{', '.join(sorted(map(str, lineages)))})", str(d))
+    record = {"format": FORMAT, "step": step, "build": fingerprint,
+              "lineage": lineages.pop() if lineages else None, "workers": sorted(reports),
               "files": files}
     _durable_write(d / MARKER, lambda p: p.write_text(json.dumps(record, indent=1) + "\n"))
+
+
+def run_identity(fingerprint: str, resume_from: Path | None) -> dict:
+    """What binds a run's checkpoints to it ({"build", "lineage"}, the workers' recipe `run`):
+    the build's fingerprint, and the lineage of the checkpoint resumed from, else a fresh one."""
+    lineage = None
+    if resume_from is not None:
+        record = _record(Path(resume_from) / MARKER)
+        lineage = record.get("lineage") if isinstance(record, dict) else None
+    return {"build": fingerprint, "lineage": lineage or secrets.token_hex(8)}
+
+
+def _record(marker: Path):
+    """A COMPLETE record as JSON (read within MAX_META_BYTES); None when it is unreadable."""
+    try:
+        with open(marker, "rb") as fh:
+            raw = fh.read(MAX_META_BYTES + 1)
+        return json.loads(raw) if len(raw) <= MAX_META_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def _steps(root: Path) -> list[tuple[int, Path]]:
@@ -312,16 +414,18 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
+def prune(root: Path, keep_last: int, fingerprint: str | None = None) -> list[Path]:
     """Delete the complete checkpoints older than the newest `keep_last` (0: none deleted);
-    returns the directories removed. Only directories with COMPLETE count and go: a partial one
-    is left for remove_partial_writes and the next run."""
+    returns the directories removed. Only directories with COMPLETE count and go, and with
+    `fingerprint` only that build's (another build sharing the directory keeps its own): a
+    partial one is left for remove_partial_writes and the next run."""
     import shutil
     if keep_last <= 0:
         return []
-    done = [d for _, d in _steps(Path(root)) if (d / MARKER).is_file()]     # newest first
+    done = [d for _, d in _steps(Path(root)) if (d / MARKER).is_file() and
+            (fingerprint is None or (_record(d / MARKER) or {}).get("build") == fingerprint)]
     gone = []
-    for d in done[keep_last:]:
+    for d in done[keep_last:]:          # newest first
         invalidate(d)                    # never a half-deleted directory under COMPLETE
         shutil.rmtree(d, ignore_errors=True)
         gone.append(d)
@@ -344,52 +448,81 @@ class Unusable(Exception):
         return f"{self.file}: {self.why}"
 
 
-def verify(d: Path, fingerprint: str, num_workers: int) -> None:
-    """Raise Unusable naming the first bad file of checkpoint `d`; an H2Error if it is a sound
-    checkpoint of another build."""
+class Foreign(Unusable):
+    """A sound checkpoint of another build (a directory builds share, or a recompiled build)."""
+
+
+def verify(d: Path, fingerprint: str, num_workers: int) -> dict:
+    """Raise Unusable naming the first bad file of checkpoint `d` (Foreign: it is another
+    build's); returns its COMPLETE record. The directory's name, COMPLETE and every worker's
+    metadata must agree on the step, build and lineage, and every file on its digest."""
     marker = d / MARKER
     try:
-        record = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Unusable(marker, f"unreadable COMPLETE record ({e})") from None
+        step = int(d.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        raise Unusable(d, "not named step_N") from None
+    record = _record(marker)
+    if record is None:
+        raise Unusable(marker, "unreadable COMPLETE record (not JSON, or not readable)")
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise Unusable(marker, "COMPLETE record without file digests (written by an older h2x); "
-                       "it cannot be verified")
+        raise Unusable(marker, "COMPLETE record of another format (written by an older h2x, "
+                       "without the bindings and digests this one checks); it cannot be verified")
+    if record.get("step") != step:
+        raise Unusable(marker, f"COMPLETE records step {_short(record.get('step'))}, but the "
+                       f"directory is named for step {step}: it was renamed or copied")
     if record.get("build") != fingerprint:
-        raise H2Error(f"checkpoint {d.name} belongs to a different build (build fingerprint "
+        raise Foreign(marker, f"belongs to a different build (build fingerprint "
                       f"{str(record.get('build'))[:12]}, this build's {fingerprint[:12]}): the "
-                      "build was recompiled or the checkpoint copied in from elsewhere",
-                      str(marker), hint="resume needs a checkpoint written by this build; move "
-                      f"{d.parent} away to start from step 0")
-    files = record.get("files") or {}
+                      "build was recompiled, the checkpoint copied in from elsewhere, or "
+                      "another build shares this directory")
+    files = record.get("files") if isinstance(record.get("files"), dict) else {}
     for wid in range(num_workers):
         for name in worker_files(wid):
             p = d / name
             want = files.get(name)
-            if want is None:
+            if not isinstance(want, dict):
                 raise Unusable(p, "not in the COMPLETE record")
             try:
                 with open(p, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
-                    if size != want["size"]:
+                    if size != want.get("size"):
                         raise Unusable(p, f"truncated or extended: {size} bytes, "
-                                       f"{want['size']} were written")
+                                       f"{_short(want.get('size'))} were written")
                     sha, _ = _digest(f)
             except OSError as e:
                 raise Unusable(p, f"cannot read it ({e.strerror})") from None
-            if sha != want["sha256"]:
+            if sha != want.get("sha256"):
                 raise Unusable(p, "corrupt: its sha256 differs from the one recorded when it "
                                "was written")
+        mf = d / worker_files(wid)[1]
+        try:
+            meta = _read_meta(mf)
+        except Exception as e:          # OSError, or msgpack's own error types
+            raise Unusable(mf, f"unreadable metadata ({type(e).__name__})") from None
+        for key, want in (("step", step), ("build", fingerprint),
+                          ("lineage", record.get("lineage")), ("worker", wid)):
+            if meta.get(key) != want:
+                raise Unusable(mf, f"records {key} {_short(meta.get(key))} where COMPLETE has "
+                               f"{_short(want)}: these files are not of this checkpoint")
+    return record
 
 
 def resume_point(root: Path, fingerprint: str, num_workers: int, out) -> tuple[int, Path]:
-    """The newest checkpoint that verifies; each newer one that does not is named in a note.
-    No usable one at all is an H2Error listing why each was refused."""
+    """The newest checkpoint of this build that verifies; each newer one that does not (another
+    build's included) is named in a note. No usable one at all is an H2Error listing why each
+    was refused."""
     root = Path(root)
     refused = []
     for s, d in (_steps(root) if root.is_dir() else []):
+        if not d.is_dir():
+            out(f"note: {d} is not a directory; skipped")
+            continue
         if not (d / MARKER).is_file():
-            if any(d.iterdir()):
+            try:
+                written = any(d.iterdir())
+            except OSError:
+                written = True
+            if written:
                 out(f"note: {d} has no {MARKER} marker (a run stopped while writing it); skipped")
             continue
         try:
@@ -400,18 +533,28 @@ def resume_point(root: Path, fingerprint: str, num_workers: int, out) -> tuple[i
             continue
         return s, d
     if refused:
-        raise H2Error("--resume: no usable checkpoint:\n  " + "\n  ".join(refused), str(root))
+        raise H2Error("--resume: no usable checkpoint:\n  " + "\n  ".join(refused), str(root),
+                      hint="resume needs a checkpoint written by this build; move "
+                      f"{root} away (or give --checkpoint-dir another) to start from step 0")
     raise H2Error("--resume: no complete checkpoint to resume from", str(root))
 
 
 def remove_partial_writes(root: Path) -> list[Path]:
-    """Remove the `.tmp` files a killed writer left in the step directories (call it only while
-    holding the build's run lock: a running writer's `.tmp` is not partial)."""
+    """Remove what killed writers left in the step directories: our `NAME.tmp` files and
+    safetensors' own `.tmpXXXXXX` inside them. Call it only while holding the checkpoint
+    directory's lock (executor/rundir.py RunLock): a running writer's files are not partial."""
     root = Path(root)
     removed = []
     for _, d in (_steps(root) if root.is_dir() else []):
-        for f in d.glob("*.tmp"):
+        if not d.is_dir() or d.is_symlink():
+            continue
+        for f in d.iterdir():
+            if not (f.name.endswith(".tmp") or _SAFETENSORS_TMP.fullmatch(f.name)):
+                continue
             if f.is_file() and not f.is_symlink():
-                f.unlink()
+                try:
+                    f.unlink()
+                except OSError:         # not ours to remove (permissions): left as it is
+                    continue
                 removed.append(f)
     return removed

@@ -1,10 +1,13 @@
 """The launcher's roles in a multi-host run (executor/run.py): a thread in worker 0's process.
 
-It holds the build's run lock, decides where the run starts (a resume, also automatically after
+First it agrees on the run's id with every worker (run.open_run): every later record is bound to
+it, so a record of an earlier run replayed into the store is named and skipped. It holds the
+build's run lock, decides where the run starts (a resume, also automatically after
 a torchrun restart), checks the data, and publishes that as the `plan` record every worker waits
-for. Then it reads every worker's events (`ev/<w>/<n>`) into the single-host launcher's
+for. Then it reads every worker's events (`ev/<w>/<n>`, in order) into the single-host launcher's
 `_Progress` (progress lines, --json-log, COMPLETE once every worker's checkpoint files are
-durable) and every worker's heartbeat record (`hb/<w>`). What stops a run, and how it is named:
+durable) and every worker's heartbeat record (`hb/<w>`, which counts the events sent, so one
+that never arrives is noticed). What stops a run, and how it is named:
 
 - a worker's own error (not a broken link): its located message, who said it and where;
 - a worker whose heartbeat stopped changing for HANG_AFTER_S: hung, or its process died;
@@ -25,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from executor import launcher
-from executor.checkpoint import build_fingerprint, complete_steps, remove_partial_writes, \
-    resume_point
+from executor.checkpoint import build_fingerprint, complete_steps, resume_point, run_identity
 from executor.rundir import RunLock
-from executor.run import HANG_AFTER_S, HEARTBEAT_S, STARTUP_S
+from executor.run import HANG_AFTER_S, HEARTBEAT_S, STARTUP_S, open_run
 from h2ir.errors import H2Error, InternalError, internal_error_text
 
 POLL_S = 0.02           # step lines are timed by when the events arrive
@@ -81,24 +83,25 @@ class Coordinator(threading.Thread):
 
     def _run(self):
         a, build, out = self.a, self.build, self.out
+        run_id = open_run(self.records, self.W, STARTUP_S)
         ckpt_dir = Path(a.checkpoint_dir) if a.checkpoint_dir else build.path / "ckpt"
-        with RunLock(build.path):
+        uses = a.checkpoint_every or a.resume or self.env.restart_count > 0
+        with RunLock(build.path, ckpt_dir if uses else None, writes=bool(a.checkpoint_every),
+                     out=out):
             launcher._check_outputs(build, a.checkpoint_every, a.json_log, a.trace, ckpt_dir)
-            partial = remove_partial_writes(ckpt_dir)
-            if partial:
-                out(f"note: removed {len(partial)} partial checkpoint file(s) left by a "
-                    "stopped run")
             transport = launcher._pick_transport(a.transport, a.strict_transport, out)
             fingerprint = build_fingerprint(build.path)
             start, resume_from = self._start_point(ckpt_dir, fingerprint)
             settings = launcher.run_data(build, a.job, out)
+            settings["run"] = run_identity(fingerprint, resume_from)   # binds its checkpoints
             sim = launcher._predict(build, out)
             hosts = build.hosts
             out(f"starting {self.W} worker(s) on {len(hosts)} host(s) ["
                 + "; ".join(f"host {h}: " + ", ".join(
                     f"w{w} stage {build.workers[w]['stage']}" for w in ws)
                     for h, ws in enumerate(hosts))
-                + f"] over {transport} (tcp between hosts); run {self.env.run_id}"
+                + f"] over {transport} (tcp between hosts); run {self.env.run_id} "
+                f"(id {run_id.hex()})"
                 + (f", restart {self.env.restart_count}" if self.env.restart_count else ""))
             if start >= a.steps:
                 out(f"nothing to do: checkpoint is at step {start}, --steps is {a.steps}")
@@ -107,7 +110,7 @@ class Coordinator(threading.Thread):
                 "transport": transport, "checkpoint_dir": str(ckpt_dir),
                 "settings": settings,
                 "trace": bool(a.trace), "t0_wall": time.time()})
-            with (open(a.json_log, "a" if start else "w") if a.json_log
+            with (launcher.open_json_log(a.json_log, append=bool(start)) if a.json_log
                   else contextlib.nullcontext()) as log_f:
                 run = launcher._Run(build, [], [], None, None, np.zeros((self.W, 4)), ckpt_dir,
                                     time.perf_counter(), fingerprint)
@@ -141,21 +144,33 @@ class Coordinator(threading.Thread):
         t_start = time.monotonic()
         next_hb = 0.0
         trouble_since = silent_since = None
+        missing_since: list = [None] * W       # when a heartbeat first counted an unread event
         while len(progress.done) < W:
             for w in range(W):
-                while rec.has(f"ev/{w}/{next_ev[w]}"):
-                    ev = rec.get(f"ev/{w}/{next_ev[w]}", f"worker w{w}'s event")
+                while (ev := rec.poll(f"ev/{w}/{next_ev[w]}", f"worker w{w}'s event")) is not None:
                     next_ev[w] += 1
                     progress.on_event(w, ev)
             now = time.monotonic()
             if now >= next_hb:
                 next_hb = now + HEARTBEAT_S
                 for w in range(W):
-                    if rec.has(f"hb/{w}"):
-                        r = rec.get(f"hb/{w}", f"worker w{w}'s heartbeat")
-                        if r.get("n") != hb_n[w]:
-                            hb_n[w], hb[w], changed[w] = r.get("n"), r, now
-                            run.status[w, 1:4] = (r.get("step", 0), r.get("pc", 0), r.get("state", 0))
+                    r = rec.poll(f"hb/{w}", f"worker w{w}'s heartbeat")
+                    n = r.get("n") if r is not None else None
+                    if type(n) is int and (hb_n[w] is None or n > hb_n[w]):
+                        hb_n[w], hb[w], changed[w] = n, r, now
+                        run.status[w, 1:4] = (r.get("step", 0), r.get("pc", 0), r.get("state", 0))
+                    sent = hb[w].get("events", 0)
+                    if type(sent) is not int or sent <= next_ev[w]:
+                        missing_since[w] = None
+                    elif missing_since[w] is None:
+                        missing_since[w] = now
+                    elif now - missing_since[w] > HANG_AFTER_S:
+                        raise H2Error(
+                            f"worker w{w}'s event {next_ev[w]} (record '{rec.ns}/ev/{w}/"
+                            f"{next_ev[w]}') was sent but never arrived: another process "
+                            f"overwrote it in the run's store. All workers stopped.",
+                            hint="something that can reach the store is interfering with the "
+                                 "run; keep its port private (--iface, firewall)")
             silent = [w for w in range(W) if w not in progress.done
                       and (now - changed[w] > HANG_AFTER_S if hb_n[w] is not None
                            else now - t_start > STARTUP_S)]

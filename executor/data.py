@@ -23,7 +23,10 @@ own pre-tokenizer would split, see `_cut`; each file on its own) into a token ca
 in the build directory, `BUILD/data/<name>-<key>.u16|.u32`, which the workers then memory-map like
 any token file. The key hashes the tokenizer file, the text files' paths, sizes and mtimes, the
 byte limit, the end-of-document id and the model's vocabulary: a resumed run finds the same cache,
-and a rebuilt one has the same bytes. Tokenizing once in the launcher also means the first and
+and a rebuilt one has the same bytes. Beside it, `<cache>.json` records its sha256, size and
+largest id as written; a run that reuses the cache checks all three in one pass (a truncated or
+changed cache, or one with ids outside the vocabulary, is refused; a cache without its record is
+tokenized again). Tokenizing once in the launcher also means the first and
 last stages, which both need the batch, never tokenize twice or disagree.
 
 Documents: each text file is a document, and tokenized text gets an end-of-document (eod) id after
@@ -58,6 +61,7 @@ exactly the samples the uninterrupted run drew (the data position in a checkpoin
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import sysconfig
@@ -67,12 +71,15 @@ from pathlib import Path
 
 import numpy as np
 
+from frontend import progress
 from h2ir.errors import H2Error
 
 MAX_BYTES = 4 << 20       # of text, by default: 4 MiB is plenty for the tiny models
 TEXT_CHUNK = 1 << 20      # bytes of text tokenized at a time
 SCAN_ELEMS = 1 << 20      # token ids read at a time by the vocabulary check and the eod scan
+PROGRESS_BYTES = 256 << 20    # a scan of a smaller file takes well under a second: no bar
 CACHE_VERSION = b"h2-token-cache/2"      # 2: an end-of-document id after each file
+CACHE_RECORD = "h2-token-cache-record/1"
 
 FORMATS = ("auto", "text", "bytes", "tokens-u16", "tokens-u32")
 TOKEN_DTYPES = {"tokens-u16": np.dtype("<u2"), "tokens-u32": np.dtype("<u4")}
@@ -293,13 +300,25 @@ def check_token_file(path: str, fmt: str, vocab: int) -> None:
     dtype = TOKEN_DTYPES[fmt]
     if vocab >= 1 << (8 * dtype.itemsize):
         return                            # every id the file can hold is in the vocabulary
+    for ids, base in _pieces(path, dtype, "checking token ids against the vocabulary"):
+        _check_ids(ids, vocab, path, unit=dtype.itemsize, base=base)
+
+
+def _pieces(path, dtype: np.dtype, what: str):
+    """(ids, index of the first) of a token file, SCAN_ELEMS ids at a time read into one buffer
+    (plain reads, not a memory map: nothing of the file stays resident); a big file shows a
+    progress bar on a terminal."""
     buf = np.empty(SCAN_ELEMS, dtype=dtype)
     raw = memoryview(buf).cast("B")
-    with open(path, "rb") as fh:          # buffered: readinto fills the buffer up to EOF
-        base = 0
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh, \
+            progress.counter(f"{Path(path).name}: {what}",
+                             size if size >= PROGRESS_BYTES else 0) as advance:
+        base = 0                          # buffered: readinto fills the buffer up to EOF
         while n := fh.readinto(raw) // dtype.itemsize:
-            _check_ids(buf[:n], vocab, path, unit=dtype.itemsize, base=base)
+            yield buf[:n], base
             base += n
+            advance(n * dtype.itemsize)
 
 
 def _check_ids(ids: np.ndarray, vocab: int, file: str, unit: int, base: int = 0):
@@ -473,23 +492,76 @@ def _token_cache(cache_dir: Path, text_path: str | None, tokenizer_path: str, ma
     key = _cache_key(tokenizer_path, files, max_bytes, vocab, chunk, eod)
     suffix = ".u16" if fmt == "tokens-u16" else ".u32"
     cache = Path(cache_dir) / f"{files[0].stem}-{key}{suffix}"
-    if cache.is_file():
+    record = _cache_record(cache)
+    if cache.is_file() and record.is_file():
+        check_token_cache(cache, fmt, vocab)
         out(f"{what}: tokens of {label} cached in {cache}")
         return cache, fmt, eod_note, eod
+    if cache.is_file():
+        out(f"note: {cache} has no record of its digest ({record.name}: an older h2x wrote it, "
+            "or its writer was stopped); tokenizing again")
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    tmp_record = record.with_name(f"{record.name}.tmp{os.getpid()}")
     dtype = TOKEN_DTYPES[fmt]
     t0 = time.perf_counter()
+    h, top = hashlib.sha256(), [-1]
+
+    def write(ids, fh):
+        data = ids.astype(dtype).tobytes()
+        h.update(data)
+        fh.write(data)
+        if ids.size:
+            top[0] = max(top[0], int(ids.max()))
     try:
         with open(tmp, "wb") as fh:
-            n = tokenize_text(tok, files, max_bytes, vocab, lambda ids: ids.astype(dtype).tofile(fh),
-                              chunk, eod)
-        os.replace(tmp, cache)
+            n = tokenize_text(tok, files, max_bytes, vocab, lambda ids: write(ids, fh), chunk,
+                              eod)
+        tmp_record.write_text(json.dumps({"format": CACHE_RECORD, "sha256": h.hexdigest(),
+                                          "size": n * dtype.itemsize, "max_id": top[0]}))
+        os.replace(tmp, cache)            # a cache without its record is tokenized again
+        os.replace(tmp_record, record)
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_record.unlink(missing_ok=True)
     out(f"{what}: tokenized {label} with {tokenizer_path}: {n} tokens "
         f"in {time.perf_counter() - t0:.1f} s, cached in {cache}")
     return cache, fmt, eod_note, eod
+
+
+def _cache_record(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".json")
+
+
+def check_token_cache(cache: Path, fmt: str, vocab: int | None) -> None:
+    """The token cache is what was written (size and sha256 of its record) and holds only ids of
+    the vocabulary, checked in one pass over it; anything else is an H2Error naming it."""
+    record = _cache_record(cache)
+    hint = f"delete {cache} and {record.name} to tokenize the text again"
+    try:
+        rec = json.loads(record.read_bytes()[:1 << 16])
+    except (OSError, ValueError, RecursionError) as e:
+        raise H2Error(f"cannot read the token cache's record: {e}", str(record),
+                      hint=hint) from None
+    if not (isinstance(rec, dict) and rec.get("format") == CACHE_RECORD
+            and isinstance(rec.get("sha256"), str) and type(rec.get("size")) is int
+            and type(rec.get("max_id")) is int):
+        raise H2Error("not a token cache record of this h2 (expected format, sha256, size, "
+                      "max_id)", str(record), hint=hint)
+    dtype = TOKEN_DTYPES[fmt]
+    size = os.path.getsize(cache)
+    if size != rec["size"]:
+        raise H2Error(f"token cache is {size} bytes, {rec['size']} were written when the text "
+                      f"was tokenized: it was {'truncated' if size < rec['size'] else 'extended'}"
+                      " or replaced since", str(cache), hint=hint)
+    h = hashlib.sha256()
+    for ids, base in _pieces(cache, dtype, "checking the token cache"):
+        h.update(memoryview(ids).cast("B"))
+        if vocab:
+            _check_ids(ids, vocab, str(cache), unit=dtype.itemsize, base=base)
+    if h.hexdigest() != rec["sha256"]:
+        raise H2Error("token cache changed since the text was tokenized (its sha256 differs "
+                      f"from the one in {record.name})", str(cache), hint=hint)
 
 
 # ---- choosing and opening a source -----------------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 
 from executor.build import BuildDir
 from executor.checkpoint import (_durable_write, build_fingerprint, invalidate, mark_complete,
-                                 step_dir, worker_files)
+                                 run_identity, step_dir, worker_files)
 from executor.export import checkpoint_to_export, merged_tensors
 from executor.rundir import RunLock
 from executor.zero import segments as zero_segments
@@ -94,7 +94,8 @@ def reshard(old_path: str, new_path: str, *, step: int | None = None,
     meta0 = msgpack.unpackb((src / worker_files(0)[1]).read_bytes())
     aliases = _aliases(new)
     root = Path(new_checkpoint_dir) if new_checkpoint_dir else new.path / "ckpt"
-    with RunLock(new.path):             # no run of the new build is writing its checkpoints
+    # no run of the new build, nor any run on the target directory, is writing checkpoints
+    with RunLock(new.path, root, writes=True, out=out):
         return _write(old, new, src, whole, meta0, aliases, root, new_checkpoint_dir, out)
 
 
@@ -104,6 +105,7 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
     d.mkdir(parents=True, exist_ok=True)
     invalidate(d)
     reports = {}
+    run = run_identity(build_fingerprint(new.path), src)   # the old checkpoint's lineage
     from safetensors.numpy import save_file
     for w in new.workers:
         wid = w["id"]
@@ -152,7 +154,8 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
                         tensors[f"{prefix}{chunk}{k}"] = np.ascontiguousarray(
                             cut(prefix, k).reshape(-1)[lo:hi])
         st_name, mp_name = worker_files(wid)
-        meta = {"step": at, "data_position": at, "opt_steps": opt_steps, "rng": None,
+        meta = {"step": at, "build": run["build"], "lineage": run["lineage"],
+                "data_position": at, "opt_steps": opt_steps, "rng": None,
                 "worker": wid, "stage": w["stage"],
                 "skipped_in_row": int(meta0.get("skipped_in_row", 0)),
                 "resharded_from": str(src)}
@@ -163,7 +166,7 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
         reports[wid] = {
             st_name: _durable_write(d / st_name, lambda p, t=tensors: save_file(t, str(p)), tensors),
             mp_name: _durable_write(d / mp_name, lambda p, m=meta: p.write_bytes(msgpack.packb(m)))}
-    mark_complete(root, at, build_fingerprint(new.path), reports)
+    mark_complete(root, at, run["build"], reports)
     out(f"resharded {src} ({len(old.workers)} workers) into {d} for {new.path} "
         f"({len(new.workers)} workers): step {at}; continue with `h2x run {new.path} --resume"
         + (f" --checkpoint-dir {root}`" if named_root else "`"))

@@ -52,3 +52,21 @@ def phase(description: str, stream=None, tick_s: float = 0.5):
         stop.set()
         t.join()
         bar.close()
+
+
+@contextlib.contextmanager
+def counter(description: str, total: int, unit: str = "B", stream=None):
+    """A bar counting up to `total` units while the block reports progress through the function
+    it is given (bytes scaled to KiB, MiB, ...); on a terminal only, elsewhere that function
+    does nothing."""
+    stream = stream or sys.stderr
+    if not total or not enabled(stream):
+        yield lambda n: None
+        return
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=description, file=stream, leave=False, unit=unit,
+               unit_scale=True, unit_divisor=1024)
+    try:
+        yield bar.update
+    finally:
+        bar.close()

@@ -174,6 +174,9 @@ class Run:
     timeout: float = _f(10.0, "communication timeout, seconds", lo=1e-3, hi=7 * 24 * 3600.0)
     device: str = _f(None, "torch device for torch-backend stages (none: as compiled)",
                      optional=True)
+    device_map: str = _f(None, "per-worker torch devices, e.g. \"w0=cuda:1,w1=cuda:0\"; "
+                         "\"w0+w1=cuda:0\" shares one on purpose (none: as compiled)",
+                         optional=True)
 
 
 SECTIONS: dict[str, type] = {
@@ -323,7 +326,7 @@ def check_value(section: str, f: dataclasses.Field, v, where: Where):
                 where.fail(f"{name}[{i}]: expected path = \"FILE\" (a string)")
             w = src.get("weight", 1.0)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not \
-                    (math.isfinite(w) and w > 0):
+                    (_finite(w) and w > 0):
                 where.fail(f"{name}[{i}].weight: expected a number > 0, got {_show(w)}")
         return [dict(x) for x in v]
     if kind in ("list[str]", "list[float]"):
@@ -331,6 +334,8 @@ def check_value(section: str, f: dataclasses.Field, v, where: Where):
         if not isinstance(v, list) or not all(isinstance(x, want) and not isinstance(x, bool)
                                               for x in v):
             where.fail(f"{name}: expected {_type_name(f)}, got {_show(v)}")
+        if kind == "list[float]" and not all(_finite(x) for x in v):
+            where.fail(f"{name}: expected finite numbers, got {_show(v)}")
         return list(v)
     t = _base_type(f)
     if t is bool:
@@ -342,9 +347,9 @@ def check_value(section: str, f: dataclasses.Field, v, where: Where):
     elif t is float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             where.fail(f"{name}: expected a number, got {_show(v)}")
-        v = float(v)
-        if not math.isfinite(v):
+        if not _finite(v):
             where.fail(f"{name}: expected a finite number, got {_show(v)}")
+        v = float(v)
     elif t is str:
         if not isinstance(v, str):
             where.fail(f"{name}: expected a string, got {_show(v)}")
@@ -355,6 +360,14 @@ def check_value(section: str, f: dataclasses.Field, v, where: Where):
     if m["hi"] is not None and v > m["hi"]:
         where.fail(f"{name}: must be ≤ {_bound(m['hi'])}, got {_show(v)}")
     return v
+
+
+def _finite(v) -> bool:
+    """A finite float, or an integer a float can hold (TOML integers have no size limit)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _bound(v) -> str:

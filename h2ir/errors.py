@@ -33,6 +33,12 @@ MAX_INPUT_BYTES = 16 << 20       # a cluster file, a plan: parser memory stays b
 def read_user_file(path, what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
     """Text of a user's input file (a BOM is tolerated); unreadable, larger than `max_bytes`
     (checked while reading, so /dev/zero is refused too) or non-UTF-8 is an H2Error."""
+    return decode_user_text(read_user_bytes(path, what, max_bytes), path, what)
+
+
+def read_user_bytes(path, what: str, max_bytes: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a user's input file, as `read_user_file` bounds them (a reader that checks
+    a digest hashes exactly the bytes it then parses)."""
     from pathlib import Path
     path = Path(path)
     try:
@@ -45,6 +51,11 @@ def read_user_file(path, what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
     if len(data) > max_bytes:
         raise H2Error(f"{what} is larger than {max_bytes >> 20} MiB; refusing to parse it",
                       file=str(path))
+    return data
+
+
+def decode_user_text(data: bytes, path, what: str) -> str:
+    """`read_user_bytes`' bytes as text: UTF-8 (a BOM tolerated), universal newlines."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

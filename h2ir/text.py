@@ -23,10 +23,11 @@ import re
 from pathlib import Path
 
 from lark import Lark, Transformer, UnexpectedInput, v_args
+from lark.exceptions import VisitError
 
 from h2ir.errors import H2Error, lark_error, read_user_file, too_deep
 from h2ir.graph import Graph, Layer, Node, Value, check_node_types
-from h2ir.types import TensorType
+from h2ir.types import MAX_DIM_DIGITS, TensorType
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 _KEYWORDS = {"true", "false", "none", "inf", "nan", "input", "const", "param", "layer", "end",
@@ -109,12 +110,25 @@ _TOKEN_WORDS = {
 }
 
 
+MAX_INT_DIGITS = 64        # attribute integers (dims, sizes, seeds) are far shorter
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-10:]}"
+
+
 class _Build(Transformer):
     def __init__(self, file):
         super().__init__()
         self.file = file
 
-    int = lambda self, t: int(t[0])                                       # noqa: E731
+    def int(self, t):
+        tok = t[0]
+        if len(tok) > MAX_INT_DIGITS:
+            raise H2Error(f"integer literal of {len(tok):,} digits; at most {MAX_INT_DIGITS}",
+                          self.file, tok.line, tok.column)
+        return int(tok)
+
     float = lambda self, t: float(t[0])                                   # noqa: E731
     true = lambda self, _: True                                           # noqa: E731
     false = lambda self, _: False                                         # noqa: E731
@@ -129,7 +143,17 @@ class _Build(Transformer):
         return (str(t[0]), t[1])
 
     def type(self, t):
-        return TensorType(str(t[0]), tuple(int(x) for x in t[1:] if x is not None))
+        dims = []
+        for tok in t[1:]:
+            if tok is None:
+                continue
+            if tok.startswith("-") or len(tok) > MAX_DIM_DIGITS:
+                what = "negative" if tok.startswith("-") else f"{len(tok):,} digits long"
+                raise H2Error(f"dimension {_clip(tok)} is {what}; a dimension is a whole number "
+                              f"of at most {MAX_DIM_DIGITS} digits", self.file, tok.line,
+                              tok.column)
+            dims.append(int(tok))
+        return TensorType(str(t[0]), tuple(dims))
 
     @v_args(meta=True)
     def vdecl(self, meta, t):
@@ -158,6 +182,12 @@ def parse_graph(text: str, file: str = "<string>") -> Graph:
         tree = _Build(file).transform(tree)
     except RecursionError:          # a literal list nested hundreds deep
         raise too_deep(text, file, "h2ir text") from None
+    except VisitError as e:         # lark wraps what a rule raised: a located H2Error
+        if isinstance(e.orig_exc, H2Error):
+            raise e.orig_exc from None
+        if isinstance(e.orig_exc, RecursionError):
+            raise too_deep(text, file, "h2ir text") from None
+        raise
     return _Resolve(file).graph(tree)
 
 

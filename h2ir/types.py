@@ -56,6 +56,10 @@ def dtype_of_host(dt) -> str:
     return _BY_HOST[dt]
 
 
+MAX_DIM_DIGITS = 18            # a dimension fits an int64 with room: no tensor has 10**18 elements
+MAX_SHAPE_CHARS = 64 * (MAX_DIM_DIGITS + 1)
+
+
 @dataclass(frozen=True)
 class TensorType:
     dtype: str
@@ -65,6 +69,8 @@ class TensorType:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {', '.join(DTYPES)})")
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"negative dimension in shape {list(self.shape)}")
 
     @property
     def rank(self) -> int:
@@ -86,6 +92,9 @@ class TensorType:
         """Inverse of str(): 'f32[2,128]' -> TensorType('f32', (2, 128))."""
         dtype, _, rest = text.partition("[")
         dims = rest.rstrip("]")
+        if len(dims) > MAX_SHAPE_CHARS:         # int() of a 100k-digit string is slow, then fails
+            raise ValueError(f"shape of {len(dims):,} characters; dimensions have at most "
+                             f"{MAX_DIM_DIGITS} digits")
         return cls(dtype, tuple(int(d) for d in dims.split(",")) if dims else ())
 
 

@@ -291,7 +291,15 @@ def test_vocabulary_check_reads_a_token_file_in_bounded_pieces(tmp_path):
 
 # ---- end to end: h2x run on a token file and on tokenized text, resumed -----------------------
 BUILD_ARGS = ["--global-batch", "4", "--micro-batch", "2", "--seq-len", "32", "--arg", "family=qwen2",
-              "--arg", "vocab=320", "--plan", "uniform"]
+              "--arg", "vocab=320"]
+# two replicas by hand: a searched plan's dp follows the measured co-location slowdown
+DP2_PLAN = """model "examples/hf/decoders.py"
+cluster "local"
+batch global=4 micro=2 seq=32
+schedule 1f1b
+dp 2
+stage chip=cpu-torch chips=2 tp=1 layers=embed, 0..1, head
+"""
 
 
 def _losses(log):
@@ -301,9 +309,12 @@ def _losses(log):
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """A public family (transformers' Qwen2ForCausalLM, tiny, vocab 320) on one stage with 2
-    data-parallel replicas (`--plan uniform`)."""
+    data-parallel replicas."""
     b = tmp_path_factory.mktemp("build") / "b"
-    r = run_cli("h2c", "compile", "examples/hf/decoders.py", *BUILD_ARGS, "-o", str(b))
+    plan = b.parent / "dp2.h2plan"
+    plan.write_text(DP2_PLAN)
+    r = run_cli("h2c", "compile", "examples/hf/decoders.py", *BUILD_ARGS, "--plan", str(plan),
+                "-o", str(b))
     assert r.returncode == 0, r.stderr
     assert json.loads((b / "manifest.json").read_text())["dp"] == 2
     return b

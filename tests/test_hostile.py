@@ -608,6 +608,8 @@ def test_checkpoint_of_another_build_is_refused(trained, tmp_path):
     m = json.loads(mf.read_text())
     m["seed"] = m["seed"] + 1                 # as if recompiled with another seed
     mf.write_text(json.dumps(m, indent=1))
+    from frontend.compiler import write_digests
+    write_digests(b)                          # its digests recorded too: a recompiled build
     r = run_cli("h2x", "run", str(b), "--steps", "8", "--resume")
     _clean_error(r)
     assert "belongs to a different build" in r.stderr and step(6) in r.stderr
@@ -1158,7 +1160,7 @@ def test_tampered_stage_files_name_the_file(build2, tmp_path):
     s = json.loads(sig.read_text())
     s["input_types"][s["inputs"][0]] = "zz[1"
     sig.write_text(json.dumps(s))
-    build = BuildDir(str(b))
+    build = BuildDir(str(b), check="used")     # as a worker opens it: each file when read
     for stage, name in ((1, "stage1.safetensors"), (0, "stage0.json")):
         with pytest.raises(H2Error) as e:
             build.stage(stage)
@@ -1176,6 +1178,11 @@ def test_truncated_weights_on_w1_is_w1s_start_up_error_naming_the_file(build2, t
     w = b / "weights" / "stage1.safetensors"
     w.write_bytes(w.read_bytes()[:1000])
     r = run_cli("h2x", "run", str(b), "--steps", "1", timeout=120)
+    assert_clean(r.returncode, r.stderr, f"{w}: error: 1000 bytes, h2c compile wrote")
+    assert "starting" not in r.stdout         # the launcher checks the weights' sizes
+    from frontend.compiler import write_digests
+    write_digests(b)                          # its size recorded: only w1 reads it
+    r = run_cli("h2x", "run", str(b), "--steps", "1", timeout=120)
     assert_clean(r.returncode, r.stderr, f"{w}: error: weights file is truncated",
                  "worker w1", "during start-up")
     assert "w0" not in r.stderr.replace(f"{w}", "")
@@ -1187,6 +1194,8 @@ def test_garbage_in_w1s_stream_is_w1s_located_error(build2, tmp_path):
     n = len(s.read_text().splitlines())
     with open(s, "a") as fh:
         fh.write("garbage !!\n")
+    from frontend.compiler import write_digests
+    write_digests(b)                          # else refused by its digest before it is parsed
     r = run_cli("h2x", "run", str(b), "--steps", "1", timeout=120)
     assert_clean(r.returncode, r.stderr, f"{s}:{n + 1}: error: not an instruction", "worker w1")
 

@@ -13,6 +13,7 @@ sending is reported when the deadline passes.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -32,6 +33,9 @@ from executor.dicomm.tcp import SocketStream, dial_tcp, dial_unix, listen_tcp, l
 
 TRANSPORTS = handshake.TRANSPORTS
 DEFAULT_TIMEOUT = 10.0
+MAX_PENDING_HANDSHAKES = 32     # connections being authenticated at once, per rank
+# accept() errors that mean the listener itself is gone (closed), not a passing shortage
+_LISTENER_GONE = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
 # Which transports a link may use, best first, when the requested one is unusable for a peer.
 _FALLBACK_ORDER = {"rdma": ("rdma", "shm", "tcp"), "shm": ("shm", "tcp"), "tcp": ("tcp",)}
 
@@ -48,7 +52,8 @@ def shard_bounds(size: int, n: int) -> list[int]:
 def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_port: int = 29400,
             secret: str | bytes | None = None, *, transport: str = "tcp", fallback: bool = True,
             timeout: float = DEFAULT_TIMEOUT, host: str = "127.0.0.1", namespace: str = "dicomm",
-            store=None, shm_max_bytes: int = shm.DEFAULT_MAX_BYTES) -> "Comm":
+            store=None, shm_max_bytes: int = shm.DEFAULT_MAX_BYTES, run: bytes = b"",
+            on_foreign=None) -> "Comm":
     """Join the run: publish this rank's endpoints in the rendezvous store and start listening.
 
     transport: "tcp" | "shm" | "rdma". If it cannot be used here (no RDMA device, no pyverbs, not
@@ -57,6 +62,8 @@ def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_por
     secret: the per-run secret (defaults to env H2_SECRET); peers without it are rejected.
     host: address to listen on and publish (loopback by default; a node address for multi-host).
     store: an existing TCPStore (e.g. the one rank 0 hosts in-process) instead of dialling one.
+    run: the run's id (rendezvous.RUN_BYTES) when the secret outlives one run: every record and
+    handshake is bound to it; `on_foreign(text)` hears of records of other runs that were skipped.
     """
     if transport not in TRANSPORTS:
         raise CommError(f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
@@ -70,10 +77,11 @@ def connect(rank: int, world_size: int, store_host: str = "127.0.0.1", store_por
                         hint="the launcher creates one with dicomm.new_secret() and gives it to "
                              "every worker")
     chosen, reason = _usable_transport(transport, fallback)
-    rendezvous = Rendezvous(store_host, store_port, timeout, namespace, store, secret=key)
-    return Comm(rank, world_size, rendezvous, key, requested=transport, transport=chosen,
-                fallback=fallback, fallback_reason=reason, timeout=timeout, host=host,
-                shm_max_bytes=shm_max_bytes)
+    rendezvous = Rendezvous(store_host, store_port, timeout, namespace, store, secret=key,
+                            run=run, on_foreign=on_foreign)
+    return Comm(rank, world_size, rendezvous, handshake.run_key(key, run), requested=transport,
+                transport=chosen, fallback=fallback, fallback_reason=reason, timeout=timeout,
+                host=host, shm_max_bytes=shm_max_bytes)
 
 
 def _usable_transport(requested: str, fallback: bool) -> tuple[str, str | None]:
@@ -127,6 +135,7 @@ class Comm:
         self._held: dict[int, list[Frame]] = defaultdict(list)
         self._coll_seq: dict[tuple, int] = defaultdict(int)
         self._closed = False
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._boot, self._hostname = shm.boot_id(), socket.gethostname()
 
         self._local = ["tcp"] + [t for t in ("shm", "rdma") if _local_support(t)[0]]
@@ -579,6 +588,7 @@ class Comm:
 
     def _handshake(self, stream: SocketStream, dst: int, transport: str,
                    setup: bytes = b"") -> handshake.Connected:
+        stream.deadline = time.monotonic() + self.timeout  # the whole handshake, however slow
         try:
             return handshake.connect(stream, self.rank, dst, self._secret, transport, setup)
         except handshake.StaleEndpoint:
@@ -588,6 +598,9 @@ class Comm:
         except (socket.timeout, TimeoutError):
             raise CommError(f"rank {self.rank}: handshake with rank {dst} timed out after "
                             f"{self.timeout} s", dst) from None
+        finally:
+            stream.deadline = None
+            stream.sock.settimeout(self.timeout)
 
     def _open_rdma(self, dst: int, stream: SocketStream) -> StreamSender:
         qp = rdma.QueuePair()
@@ -608,18 +621,39 @@ class Comm:
 
     # -- accepting links ----------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
+        """Admit connections until the Comm closes. At most MAX_PENDING_HANDSHAKES are being
+        authenticated at once (the rest wait in the listen backlog), and a failing accept()
+        (out of descriptors, an aborted connection) is logged and retried, never fatal."""
+        pause = 0.0
         while not self._closed:
+            self._pending.acquire()
             try:
                 sock, addr = listener.accept()
-            except OSError:
-                return  # listener closed
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
+            except OSError as e:
+                self._pending.release()
+                if self._closed or e.errno in _LISTENER_GONE:
+                    return
+                pause = min(1.0, max(0.01, 2 * pause))
+                if pause < 0.02 or pause == 1.0:        # the first of a run of failures, then 1/s
+                    log.warning("dicomm rank %d: accept failed: %s; retrying", self.rank,
+                                e.strerror or e)
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            threading.Thread(target=self._admit_one, args=(sock, addr), daemon=True,
                              name=f"dicomm-admit-{self.rank}").start()
+
+    def _admit_one(self, sock: socket.socket, addr) -> None:
+        try:
+            self._admit(sock, addr)
+        finally:
+            self._pending.release()
 
     def _admit(self, sock: socket.socket, addr) -> None:
         tune(sock)
         sock.settimeout(self.timeout)
         stream = SocketStream(sock)
+        stream.deadline = time.monotonic() + self.timeout   # the whole handshake, however slow
         where = addr if addr else "a local socket"
         built: dict = {}
 
@@ -662,7 +696,9 @@ class Comm:
             stream.close()
             return
         sock.settimeout(None)   # the reader waits as long as the run lasts; recv() has deadlines
+        stream.deadline = None
         stream.peer = accepted.src
+        stream.takes_fds = accepted.transport == "shm"      # its ring and segments
         kinds = {"tcp": StreamReceiver, "shm": shm.ShmReceiver, "rdma": rdma.RdmaReceiver}
         extra = {"on_ring": self._ring_ready, "timeout": self.timeout} \
             if accepted.transport == "shm" else {}

@@ -65,6 +65,12 @@ def run_mac(secret: bytes, *fields) -> bytes:
                     hashlib.sha256).digest()
 
 
+def run_key(secret: bytes, run: bytes) -> bytes:
+    """The key a run's handshakes use: the shared secret bound to the run's id (b"": the secret
+    itself), so no connection can join a run with a record or endpoint of another."""
+    return run_mac(secret, "run", run) if run else secret
+
+
 @dataclass(frozen=True)
 class LinkKeys:
     """The two message keys of one connection (seal.py)."""

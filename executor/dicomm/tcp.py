@@ -4,6 +4,11 @@ that the shm transport runs beside its shared segments.
 `SocketStream` gives the frame layer what it needs from a byte stream: gathered writes with no
 payload copy in user space (sendmsg), exact reads into a caller's buffer (recv_into), and on
 AF_UNIX file-descriptor passing (how shm segments travel, see shm.py).
+
+Descriptors are taken only from an authenticated peer: until the handshake is done (and on a
+stream that never expects any) a message carrying SCM_RIGHTS closes what it carried at once
+and ends the connection, so a stranger cannot fill a worker's descriptor table. Reads before
+authentication also share one deadline (`deadline`), however slowly the bytes drip in.
 """
 from __future__ import annotations
 
@@ -11,12 +16,14 @@ import array
 import os
 import secrets
 import socket
+import time
 from collections import deque
 
 from executor.dicomm.errors import CommError
 
 _MAX_FDS = 4
 _ANC_BYTES = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+_MAX_QUEUED_FDS = 64         # descriptors received but not yet claimed by a map/ring message
 # Big socket buffers let a 64 MiB frame stream without the sender stalling on every few KiB.
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
@@ -35,6 +42,8 @@ class SocketStream:
         self.peer = peer
         self.unix = sock.family == socket.AF_UNIX
         self._fds: deque[int] = deque()
+        self.takes_fds = False      # set once the peer is authenticated and may pass segments
+        self.deadline: float | None = None   # time.monotonic() by which every read must end
 
     def send_parts(self, parts, fds: tuple[int, ...] = ()) -> None:
         """Write all parts in order with as few syscalls as the kernel allows; fds ride on the
@@ -58,19 +67,36 @@ class SocketStream:
         mv = memoryview(buf).cast("B")
         got = 0
         while got < mv.nbytes:
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout(f"no complete message from {_who(self.peer)} in time")
+                self.sock.settimeout(left)
             if self.unix:
                 n, anc, _flags, _addr = self.sock.recvmsg_into([mv[got:]], _ANC_BYTES)
-                for level, kind, data in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds = array.array("i")
-                        fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-                        self._fds.extend(fds)
+                if anc:
+                    self._take_fds(anc)
             else:
                 n = self.sock.recv_into(mv[got:])
             if n == 0:
                 raise PeerClosed(f"connection closed by {_who(self.peer)} after {got} of "
                                  f"{mv.nbytes} bytes", self.peer, got)
             got += n
+
+    def _take_fds(self, anc) -> None:
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if self.takes_fds and len(self._fds) + len(fds) <= _MAX_QUEUED_FDS:
+            self._fds.extend(fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        raise CommError(f"{_who(self.peer)} passed {len(fds)} file descriptor(s) "
+                        + ("before authenticating" if not self.takes_fds else
+                           f"beyond the {_MAX_QUEUED_FDS} a link may hold unclaimed")
+                        + "; closed them and the connection", self.peer)
 
     def recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)

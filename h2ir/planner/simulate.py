@@ -36,11 +36,12 @@ from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
+from h2ir.planner.calibration import contention
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
 from h2ir.schedule.grid import ScheduleGrid, grid_from_events
 from h2ir.schedule.interpret import StreamInterpreter
 from h2ir.schedule.streams import (Instr, WorkerLayout, build_streams, chunk_stages,
-                                   tied_stage_groups)
+                                   tied_stage_groups, worker_hosts)
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 
@@ -102,6 +103,10 @@ class SimResult:
 
 # ----------------------------------------------------------------------------------------------
 # the interpreter
+
+class StreamDeadlock(H2Error):
+    """The instruction streams wait on each other: no worker can take its next instruction."""
+
 
 class _Blocked(Exception):
     """A receive or barrier whose data has not arrived yet: the worker waits, others go on."""
@@ -340,7 +345,7 @@ def run_streams(workers: list[SimulatedWorker]) -> float:
                 progress = True
         if not progress:
             stuck = ", ".join(f"w{w}: {remaining[w].stream[remaining[w].pc]}" for w in sorted(remaining))
-            raise H2Error(f"instruction streams deadlock ({stuck})")
+            raise StreamDeadlock(f"instruction streams deadlock ({stuck})")
     tl = workers[0].tl if workers else Timeline()
     return max(max(tl.clock.values(), default=0.0), max(tl.link_free.values(), default=0.0))
 
@@ -440,9 +445,9 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
                                 fr.get(stage_of[w], 0.5), chunks_of(w)) for w in workers]
         return tl, sims, run_streams(sims)
 
-    cores = cluster.shared_cores
-    if cores and lay.num_workers > cores:
-        tl, sims, step = _shared_cores_fixed_point(run_once, cores, lay.num_workers / len(workers))
+    sharing = core_sharing(plan, cluster, rm, lay, workers)
+    if sharing is not None:
+        tl, sims, step = _shared_cores_fixed_point(run_once, sharing)
     else:
         tl, sims, step = run_once({}, None)
 
@@ -494,13 +499,56 @@ def chunk_durations(times: list[StageTimes], b_fractions: dict) -> dict:
 SHARING_ROUNDS = 12            # fixed-point rounds of the shared-core stretch (few are needed)
 
 
-def _shared_cores_fixed_point(run_once, cores: int, copies: float):
-    """Time the streams on `cores` CPU cores shared by every worker (a fluid processor-sharing
-    model): a compute that overlaps n computes on average (itself included; each simulated
-    worker stands for `copies` workers: replicas run the same stream) takes max(1, n / cores)
-    times its one-core duration. The stretch of every compute is found by iteration — simulate,
-    measure each compute's overlap, stretch it, simulate again — damped, until the step time
-    moves by less than 0.1 %."""
+@dataclass(frozen=True)
+class CoreSharing:
+    """Who shares which CPU cores, for `_shared_cores_fixed_point`: per simulated worker, its
+    chip's contention curve and how many workers it stands for on each set of shared cores
+    (itself, and the replicas and TP ranks that run its stream unsimulated)."""
+    curves: dict              # simulated worker -> {n: slow-down}
+    weights: dict             # simulated worker -> {domain: workers it stands for there}
+    cores: dict               # domain -> CPU cores
+
+
+def core_sharing(plan: Plan, cluster: Cluster, rm: ResourceModel, lay: WorkerLayout,
+                 workers: list[int]) -> CoreSharing | None:
+    """The plan's workers on the cluster's sets of shared cores (`Cluster.node_domain`, nodes
+    as `worker_hosts` assigns them), or None where no compute can be slowed: no set holds more
+    of the plan's workers than cores, and no chip's measured contention curve rises."""
+    if not cluster.shares_cores:
+        return None
+    real = plan_layout(plan)
+    chips = [plan.stages[g[0]].chip for g in plan_chunks(plan)]
+    nodes = worker_hosts(real, chips, cluster, renumber=False)
+    domain = [cluster.node_domain(n) for n in nodes]
+    per_domain: dict = {}
+    for d in domain:
+        if d is not None:
+            per_domain[d] = per_domain.get(d, 0) + 1
+    cores = {d: cluster.domain_cores(d) for d in per_domain}
+    one_replica = {lay.where(w)[0] for w in workers} == {0} and real.dp > 1
+    curves, weights = {}, {}
+    for w in workers:
+        r, j, _ = lay.where(w)
+        chip = chips[j]
+        curves[w] = rm.contention_curve(chip)
+        stand = [v for q in (range(real.dp) if one_replica else (r,)) for v in real.tp_group(q, j)]
+        weights[w] = {}
+        for v in stand:
+            if domain[v] is not None:
+                weights[w][domain[v]] = weights[w].get(domain[v], 0) + 1
+    crowded = any(n > cores[d] for d, n in per_domain.items())
+    rising = any(max(c.values()) > 1.0 for c in curves.values())
+    return CoreSharing(curves, weights, cores) if per_domain and (crowded or rising) else None
+
+
+def _shared_cores_fixed_point(run_once, share: CoreSharing):
+    """Time the streams on CPU cores that workers share (a fluid model): a compute that
+    overlaps n computes of its set of shared cores on average (itself included; a simulated
+    worker counts as every worker it stands for there) takes `contention(curve, n, cores)`
+    times its alone duration: the chip's measured slow-down at n workers computing at once,
+    time sharing past the measured ones (h2ir/planner/calibration.py). The stretch of every
+    compute is found by iteration — simulate, measure each compute's overlap, stretch it,
+    simulate again — damped, until the step time moves by less than 0.1 %."""
     stretch: dict = {}
     step = None
     for _ in range(SHARING_ROUNDS):
@@ -513,18 +561,26 @@ def _shared_cores_fixed_point(run_once, cores: int, copies: float):
             break
         iv = np.array([(c[2], c[3]) for c in computes], dtype=np.float64)
         pts = np.unique(iv.ravel())
-        # concurrency on each elementary interval [pts[i], pts[i+1]), and its running integral
-        delta = np.zeros(len(pts) + 1)
-        np.add.at(delta, np.searchsorted(pts, iv[:, 0]), copies)
-        np.add.at(delta, np.searchsorted(pts, iv[:, 1]), -copies)
-        level = np.cumsum(delta)[:-1]
-        area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(pts))])
-        a0 = area[np.searchsorted(pts, iv[:, 0])]
-        a1 = area[np.searchsorted(pts, iv[:, 1])]
+        i0, i1 = np.searchsorted(pts, iv[:, 0]), np.searchsorted(pts, iv[:, 1])
         span = np.maximum(iv[:, 1] - iv[:, 0], 1e-15)
-        load = np.maximum(1.0, (a1 - a0) / span / cores)
+        factor = np.ones(len(computes))
+        for d, cores in share.cores.items():
+            # computing workers of set d on each elementary interval [pts[i], pts[i+1]), and
+            # the running integral of that level
+            wt = np.array([share.weights[c[0]].get(d, 0) for c in computes], dtype=np.float64)
+            if not wt.any():
+                continue
+            delta = np.zeros(len(pts) + 1)
+            np.add.at(delta, i0, wt)
+            np.add.at(delta, i1, -wt)
+            level = np.cumsum(delta)[:-1]
+            area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(pts))])
+            n = (area[i1] - area[i0]) / span
+            for k, c in enumerate(computes):
+                if wt[k]:
+                    factor[k] = max(factor[k], contention(share.curves[c[0]], float(n[k]), cores))
         nxt = {}
-        for (w, pc, _, _), target in zip(computes, load):
+        for (w, pc, _, _), target in zip(computes, factor.tolist()):
             nxt[(w, pc)] = 0.5 * stretch.get((w, pc), 1.0) + 0.5 * target
         stretch = nxt
     return tl, sims, step
