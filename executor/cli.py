@@ -18,6 +18,7 @@ from h2ir.errors import H2Error, float_flag, int_flag, run_subcommand
 MAX_STEPS = 10 ** 12            # steps are counted in float64 status slots: exact below 2**53
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: a longer communication timeout is a typo
 MAX_DATA_BYTES = 1 << 40        # of text; one file is memory-mapped, a directory's are read
+TRAIN_DEVICES = ("cpu", "cuda")  # the torch device types a torch stage trains on (ROCm: cuda)
 
 SUBCOMMANDS = {
     "run": "executor.cli:run_main",
@@ -34,7 +35,8 @@ RUN_ALIASES = {"steps": ("training", "steps"), "data": ("data", "path"),
                "trace": ("logging", "trace"), "checkpoint_every": ("checkpoint", "every"),
                "checkpoint_dir": ("checkpoint", "dir"), "resume": ("checkpoint", "resume"),
                "transport": ("run", "transport"), "strict_transport": ("run", "strict_transport"),
-               "timeout": ("run", "timeout"), "device": ("run", "device")}
+               "timeout": ("run", "timeout"), "device": ("run", "device"),
+               "device_map": ("run", "device_map")}
 
 
 def run_parser(prog: str = "h2x run") -> argparse.ArgumentParser:
@@ -82,7 +84,10 @@ def run_parser(prog: str = "h2x run") -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float_flag(0, MAX_TIMEOUT_S, lo_open=True),
                     help="run.timeout: communication timeout, seconds (default 10)")
     ap.add_argument("--device", help="run.device: torch device for torch-backend stages "
-                    "(default: the one compiled in, e.g. cpu)")
+                    "(default: the one compiled in, e.g. cpu); a type (cuda) gives each worker "
+                    "its own index, an indexed one (cuda:0) puts them all there")
+    ap.add_argument("--device-map", metavar="MAP", help="run.device_map: per-worker devices, "
+                    "e.g. w0=cuda:1,w1=cuda:0; w0+w1=cuda:0 shares one on purpose")
     mh = ap.add_argument_group("multi-host (torchrun; docs/executor.md)")
     mh.add_argument("--nnodes", type=int_flag(1, 1 << 16), default=None, metavar="N",
                     help="hosts in the run: start this host's torchrun agent")
@@ -128,7 +133,24 @@ def parse_run_args(argv: list[str], prog: str = "h2x run"):
         setattr(a, dest, getattr(getattr(cfg, section), f))
     a.resume = None if a.resume == "no" else a.resume
     a.job = cfg
+    check_devices(a.device, getattr(a, "device_map", None), len(build.workers))
     return a, cfg
+
+
+def check_devices(device: str | None, device_map: str | None, num_workers: int) -> None:
+    """run.device and every device of run.device_map: a type a torch stage trains on, with a
+    numeric index if any, refused before any worker starts (whether this host has the CUDA
+    device is the worker's check: it is the process that takes it)."""
+    from h2ir.schedule.devices import parse_device_map
+    named = [("--device", device)] if device else []
+    named += [("--device-map", d) for d in parse_device_map(device_map, num_workers)[0].values()]
+    for flag, dev in named:
+        kind, colon, index = str(dev).partition(":")
+        if kind not in TRAIN_DEVICES or (colon and not index.isdigit()):
+            why = "meta tensors have shapes but no data" if kind == "meta" else \
+                "not a device a torch stage trains on"
+            raise H2Error(f"{flag} {dev!r}: {why}; expected cpu, cuda or cuda:N",
+                          hint="leave it out to run where the build was compiled for")
 
 
 def run_main(argv: list[str]) -> int:
@@ -149,6 +171,7 @@ def run_main(argv: list[str]) -> int:
         data_max_bytes=a.data_max_bytes, json_log=a.json_log, trace=a.trace,
         checkpoint_every=a.checkpoint_every, resume=bool(a.resume), transport=a.transport,
         strict_transport=a.strict_transport, timeout=a.timeout, device=a.device,
+        device_map=a.device_map,
         checkpoint_dir=a.checkpoint_dir, config=cfg)
     return 0
 

@@ -7,6 +7,7 @@ every worker cleanly when one dies or hangs (naming it and its last instruction)
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -26,18 +27,20 @@ from backends.registry import measured_backends
 from executor import dicomm
 from executor.build import BuildDir
 from executor.checkpoint import (build_fingerprint, complete_steps, mark_complete, prune,
-                                 remove_partial_writes, resume_point)
+                                 resume_point, run_identity)
 from executor.data import prepare_mix
 from executor.rundir import RunLock, run_temp_dir, writable_dir, writable_file
 from executor.worker import STATUS_FIELDS
 from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import H2Error, InternalError
-from h2ir.planner.simulate import (SimResult, manifest_b_fractions, program_comm_volumes,
-                                   simulate_build)
+from h2ir.planner.simulate import (SimResult, StreamDeadlock, manifest_b_fractions,
+                                   program_comm_volumes, simulate_build)
 from h2ir.plans.dsl import load_plan
+from h2ir.schedule.devices import run_devices
 from h2ir.schedule.trace import TraceEvent, chrome_trace
 
 HANG_AFTER_S = 5.0          # no heartbeat for this long: the worker is hung (stopped, deadlocked)
+STARTUP_S = 120.0           # before its first heartbeat a worker imports and loads its stage
 
 
 class RunFailed(Exception):
@@ -99,6 +102,12 @@ def json_line(obj) -> str:
             return [clean(x) for x in v]
         return v
     return json.dumps(clean(obj), allow_nan=False) + "\n"
+
+
+def open_json_log(path: str, append: bool):
+    """The --json-log file, unbuffered: each line reaches the disk whole or fails as it is
+    written (nothing is left in a buffer for close to fail on)."""
+    return open(path, "ab" if append else "wb", buffering=0)
 
 
 def tensorboard_writer(log_dir: str | None):
@@ -177,6 +186,7 @@ class _Run:
     ckpt_dir: Path
     t0: float
     fingerprint: str = ""           # of the build, recorded in every checkpoint's COMPLETE
+    launched: float = field(default_factory=time.time)
     events: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -222,7 +232,7 @@ def _check_outputs(build: BuildDir, checkpoint_every: int, json_log, trace,
 
 def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, start, resume_from,
                    transport, checkpoint_every, timeout, device, data, out,
-                   ckpt_dir: Path, recipe: dict) -> _Run:
+                   ckpt_dir: Path, recipe: dict, device_map: str | None = None) -> _Run:
     m = build.manifest
     W = len(build.workers)
     store = dicomm.reserve_store("127.0.0.1")   # its TCPStore starts once the workers have
@@ -230,8 +240,7 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
     status_path = run_dir / "status.bin"
     (run_dir / "recipe.json").write_text(json.dumps(recipe))
     status = np.memmap(status_path, dtype=np.float64, mode="w+", shape=(W, STATUS_FIELDS))
-    status[:] = 0
-    status[:, 0] = time.time()
+    status[:] = 0               # heartbeat time 0: none yet (STARTUP_S applies)
     status.flush()
     t0 = time.perf_counter()
     env = dict(os.environ, H2_SECRET=secret, H2_T0=repr(t0), PYTHONUNBUFFERED="1")
@@ -254,7 +263,8 @@ def _start_workers(build: BuildDir, *, run_dir: Path, fingerprint: str, steps, s
                    "--run-dir", str(run_dir), "--checkpoint-every", str(checkpoint_every),
                    "--checkpoint-dir", str(ckpt_dir),
                    "--timeout", str(timeout), "--recipe", str(run_dir / "recipe.json")] + \
-                (["--device", device] if device else [])
+                (["--device", device] if device else []) + \
+                (["--device-map", device_map] if device_map else [])
             if resume_from:
                 cmd += ["--resume-from", str(resume_from)]
             err = open(worker_log_path(build.path, w), "w")
@@ -323,7 +333,7 @@ class _Progress:
             got[w] = ev.get("files", {})
             if len(got) == self.W:      # every worker's files are durable: the step is complete
                 mark_complete(self.run.ckpt_dir, ev["step"], self.run.fingerprint, got)
-                prune(self.run.ckpt_dir, self.keep_last)
+                prune(self.run.ckpt_dir, self.keep_last, self.run.fingerprint)
                 del self.ckpt_reports[ev["step"]]
         elif kind == "done":
             self.done.add(w)
@@ -340,8 +350,7 @@ class _Progress:
                 self.result.eval_losses.append((ev["step"], loss))
                 self.out(f"eval {ev['step']:>4}/{self.steps}  held-out loss {loss:.4f}")
                 if self.log_f:
-                    self.log_f.write(json_line({"step": ev["step"], "eval_loss": loss}))
-                    self.log_f.flush()
+                    self.log({"step": ev["step"], "eval_loss": loss})
                 if self.tb is not None:
                     self.tb.add_scalar("eval/loss", loss, ev["step"])
                     self.tb.flush()
@@ -352,6 +361,25 @@ class _Progress:
             self.errors.setdefault(w, ev)
         elif kind == "eof":
             self.eof.add(w)
+
+    def log(self, line: dict) -> None:
+        """One line of the JSON log, on disk before the next; a full or failing disk stops the
+        run naming the file, and leaves only whole lines."""
+        data = json_line(line).encode()
+        try:
+            start = self.log_f.tell()
+        except OSError:                 # a pipe or a terminal
+            start = None
+        try:
+            while data:
+                data = data[self.log_f.write(data):]
+        except OSError as e:
+            if start is not None:
+                with contextlib.suppress(OSError):
+                    self.log_f.truncate(start)      # no torn last line
+            raise H2Error(f"cannot write the JSON log: {e.strerror or e}",
+                          getattr(self.log_f, "name", None),
+                          hint="free space there, or give --json-log another file") from None
 
     def drain(self, workers, wait_s: float = 1.0):
         """Take the events still queued, waiting (at most wait_s) until `workers`' stdout has
@@ -427,8 +455,7 @@ class _Progress:
                 line["moe"] = moe
             if rep.get("a2a"):
                 line["a2a"] = {f"w{k}": v for k, v in sorted(rep["a2a"].items())}
-            self.log_f.write(json_line(line))
-            self.log_f.flush()
+            self.log(line)
         if self.tb is not None:
             scalars = {"train/loss": loss, "train/tokens_per_s": tps, "train/step_s": step_s}
             if gn is not None:
@@ -499,7 +526,7 @@ def _supervise(run: _Run, progress: _Progress):
             if ev is not None:
                 progress.on_event(w, ev)
             _check_health(run.build, run.procs, run.status, progress.done, run.run_dir,
-                          progress)
+                          progress, run.launched)
     except RunFailed as e:
         _kill_all(run.procs)
         raise H2Error(str(e)) from None
@@ -517,8 +544,15 @@ def _supervise(run: _Run, progress: _Progress):
 
 
 def _predict(build: BuildDir, out) -> SimResult | None:
+    """The simulator's step time for the build's streams (None, with a note, when it cannot
+    say); streams it finds waiting on each other are refused before any worker starts."""
     try:
         sim = predicted_step_time(build)
+    except StreamDeadlock as e:
+        raise H2Error(f"the build's {e.message}: every worker would wait on another until the "
+                      "communication timeout; refusing to start them", str(build.path / "streams"),
+                      hint="the stream files were edited, or h2c built a wrong schedule: "
+                           "compile the build again with h2c compile") from None
     except H2Error as e:
         out(f"note: no prediction ({e})")
         return None
@@ -530,29 +564,59 @@ def _predict(build: BuildDir, out) -> SimResult | None:
     return sim
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the launcher's main thread so that it stops as on Ctrl-C."""
+
+
+def _stops_on_sigterm(fn):
+    """`fn` with SIGTERM handled like SIGINT: every worker stopped, the run's files tidied, a
+    message, and exit status 143 (128 + SIGTERM)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kw)
+
+        def terminate(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second one must not cut cleanup
+            raise Terminated()
+        previous = signal.signal(signal.SIGTERM, terminate)
+        try:
+            return fn(*args, **kw)
+        except Terminated:
+            print("h2x run: stopped by SIGTERM; no worker is left running", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return wrapper
+
+
+@_stops_on_sigterm
 def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: str | None = None,
         trace: str | None = None, checkpoint_every: int = 0, resume: bool = False,
         transport: str = "shm", strict_transport: bool = False, timeout: float = 10.0,
         device: str | None = None, out=print, predict: bool = True, data_format: str = "auto",
         tokenizer: str | None = None, data_max_bytes: int | None = None,
-        checkpoint_dir: str | None = None, config=None) -> RunResult:
+        checkpoint_dir: str | None = None, config=None,
+        device_map: str | None = None) -> RunResult:
     """`config`: the job configuration (h2ir/config.py) for the recipe, evaluation and data;
-    None: the build's own (train.toml) with these arguments."""
+    None: the build's own (train.toml) with these arguments. `device`, `device_map`: where the
+    workers run (h2ir/schedule/devices.py `run_devices`)."""
     build = BuildDir(build_path)
+    run_devices(build.workers, device, device_map)      # a bad map is refused before any start
     cfg = config or build.config()
     cfg.training.steps = steps
     recipe = cfg.recipe()
-    with RunLock(build.path):           # a second h2x run on this build refuses here
-        ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else build.path / "ckpt"
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else build.path / "ckpt"
+    # a second h2x run on this build or on its checkpoint directory refuses here (RunLock also
+    # removes what killed writers left there)
+    with RunLock(build.path, ckpt_dir if checkpoint_every or resume else None,
+                 writes=bool(checkpoint_every), out=out):
         _check_outputs(build, checkpoint_every, json_log, trace, ckpt_dir)
-        # the lock is held: no writer is running, so a .tmp there was left by a killed one
-        partial = remove_partial_writes(ckpt_dir)
-        if partial:
-            out(f"note: removed {len(partial)} partial checkpoint file(s) left by a stopped run: "
-                + ", ".join(str(p) for p in partial[:4]) + (" ..." if len(partial) > 4 else ""))
         transport = _pick_transport(transport, strict_transport, out)
         fingerprint = build_fingerprint(build.path)
         start, resume_from = _resume_point(ckpt_dir, resume, fingerprint, len(build.workers), out)
+        recipe["run"] = run_identity(fingerprint, resume_from)   # what binds its checkpoints
         if start >= steps:
             out(f"nothing to do: checkpoint is at step {start}, --steps is {steps}")
             return RunResult()
@@ -571,12 +635,13 @@ def run(build_path: str, *, steps: int = 20, data: str | None = None, json_log: 
         tb = tensorboard_writer(cfg.logging.tensorboard)
         result = RunResult(transport=transport)
         with run_temp_dir() as run_dir, \
-                (open(json_log, "w") if json_log else contextlib.nullcontext()) as log_f:
+                (open_json_log(json_log, append=False) if json_log
+                 else contextlib.nullcontext()) as log_f:
             run_ = _start_workers(build, run_dir=run_dir, fingerprint=fingerprint, steps=steps,
                                   start=start, resume_from=resume_from, transport=transport,
                                   checkpoint_every=checkpoint_every, timeout=timeout,
                                   device=device, data=data_spec, out=out, ckpt_dir=ckpt_dir,
-                                  recipe=recipe)
+                                  recipe=recipe, device_map=device_map)
             _supervise(run_, _Progress(run_, result, steps, start, log_f, out, tb,
                                        cfg.checkpoint.keep_last))
             if trace:
@@ -604,11 +669,15 @@ def memory_summary(build, peaks: dict) -> list[str]:
     return lines
 
 
-def _check_health(build, procs, status, done, run_dir, progress=None):
+def _check_health(build, procs, status, done, run_dir, progress=None, launched: float = 0.0):
     now = time.time()
     failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
+
+    def silent(w) -> float:             # since its last heartbeat, or its start
+        return now - (status[w, 0] or launched or now)
     hung = [w for w, p in enumerate(procs) if p.poll() is None and w not in done
-            and status[w, 3] == 0 and now - status[w, 0] > HANG_AFTER_S]
+            and status[w, 3] == 0
+            and silent(w) > (HANG_AFTER_S if status[w, 0] else STARTUP_S)]
     if not failed and not hung:
         return
     if failed and not hung:
@@ -633,7 +702,7 @@ def _check_health(build, procs, status, done, run_dir, progress=None):
                                  f"exited with {_describe_rc(procs[w].returncode)}", connected))
     w = hung[0]
     raise RunFailed(_failure(build, w, status, run_dir,
-                             f"stopped responding (no heartbeat for {now - status[w, 0]:.1f} s)",
+                             f"stopped responding (no heartbeat for {silent(w):.1f} s)",
                              connected))
 
 
@@ -711,4 +780,8 @@ def write_trace(build, traces: dict, path: str):
         for lane, name, start, dur, step, *counters in traces.get(w, ()):
             events.append(TraceEvent(w, lane, name, start, dur,
                                      counters[0] if counters else {"step": step + 1}))
-    Path(path).write_text(json.dumps(chrome_trace(events, names, {"kind": "measured"})))
+    try:
+        Path(path).write_text(json.dumps(chrome_trace(events, names, {"kind": "measured"})))
+    except OSError as e:
+        raise H2Error(f"cannot write the trace: {e.strerror or e}", str(path),
+                      hint="free space there, or give --trace another file") from None

@@ -16,7 +16,8 @@ Membership and restarts are torchrun's. What the single-host launcher does happe
   so nothing listens on every interface), one that global rank 0 hosts on MASTER_PORT, bound to
   its listen address only; that store is new in every rendezvous round. Keys live under
   `h2x/<run id>/<restart count>` (agent store) or `h2x/<run id>` (a fresh store per round), and
-  every record carries the run secret's MAC (dicomm.Rendezvous).
+  every record carries the run secret's MAC (dicomm.Rendezvous) and, once the processes have
+  agreed on it (`open_run`/`join_run`), the run's id: a record of another run is skipped.
 - **Coordinator** (a thread in worker 0's process): decides the start step (resume), checks the
   data, prints the progress lines, writes --json-log, marks checkpoints COMPLETE, watches every
   worker's heartbeat record and names the root cause of a failure: a worker's own error, a hung
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import ipaddress
 import json
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -43,8 +46,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
+from executor.dicomm.rendezvous import RUN_BYTES
 from h2ir.errors import H2Error
 
 HEARTBEAT_S = 0.5
@@ -56,6 +61,7 @@ SECRET_HINT = ("make one with `python -c 'import secrets; print(secrets.token_he
                "secret && chmod 600 secret`, copy it to every host, and pass --secret-file "
                "secret (or export H2_SECRET=$(cat secret))")
 MIN_SECRET_CHARS = 32
+MAX_SECRET_BYTES = 4096     # a secret is a line of hex; anything longer is the wrong file
 
 
 # ---- what torchrun tells a process ------------------------------------------------------------
@@ -131,7 +137,12 @@ def run_secret(secret_file: str | None, env=os.environ) -> str:
     none out, and without one any host that reaches the store could join the run."""
     if secret_file:
         try:
-            text = Path(secret_file).read_text().strip()
+            with open(secret_file, "rb") as f:
+                raw = f.read(MAX_SECRET_BYTES + 1)      # /dev/zero is not a secret
+            if len(raw) > MAX_SECRET_BYTES:
+                raise H2Error(f"the run secret file is longer than {MAX_SECRET_BYTES} bytes: "
+                              "not a secret file", secret_file, hint=SECRET_HINT)
+            text = raw.decode().strip()
         except (OSError, UnicodeDecodeError) as e:
             raise H2Error(f"cannot read the run secret: {getattr(e, 'strerror', None) or e}",
                           secret_file) from None
@@ -218,14 +229,25 @@ def open_store(env: ElasticEnv, addr: str, timeout: float):
 
 
 class Records:
-    """Authenticated records in the run's store, under its namespace (dicomm.Rendezvous)."""
+    """Authenticated records in the run's store, under its namespace (dicomm.Rendezvous), bound
+    to the run once its id is agreed (`bind`)."""
 
-    def __init__(self, store, namespace: str, secret: str, timeout: float, where: str):
+    def __init__(self, store, namespace: str, secret: str, timeout: float, where: str,
+                 on_foreign=None):
         from executor.dicomm.rendezvous import Rendezvous
         self.store, self.ns = store, namespace
-        self.rdv = Rendezvous("", 0, timeout, namespace, store, secret=secret.encode())
+        self.rdv = Rendezvous("", 0, timeout, namespace, store, secret=secret.encode(),
+                              on_foreign=on_foreign)
         self.rdv.where = where
         self._lock = threading.Lock()
+
+    @property
+    def run(self) -> bytes:
+        """The run's id (b"" until `bind`)."""
+        return self.rdv.run
+
+    def bind(self, run: bytes) -> None:
+        self.rdv.run = run
 
     def put(self, key: str, record: dict) -> None:
         self.rdv.publish(key, record)
@@ -236,8 +258,93 @@ class Records:
     def get(self, key: str, what: str, timeout: float | None = None) -> dict:
         return self.rdv.lookup(key, what, timeout)
 
+    def poll(self, key: str, what: str) -> dict | None:
+        """The record if one of this run is there now, else None (one of another run is noted)."""
+        return self.rdv.try_lookup(key, what)
+
     def add(self, key: str, n: int) -> int:
         return int(self.store.add(f"{self.ns}/{key}", n))
+
+
+# ---- the run's id: agreed through the store, fresh for every process ----------------------------
+#
+# A long-lived secret (--secret-file) authenticates every record of every run of a build, so a
+# record must also say which run it belongs to, or an earlier run's `plan` or `ev/*` replayed
+# into the store would verify. The run id is agreed before any other record is read:
+#
+#   coordinator  agree/challenge  {c: fresh 32 bytes}
+#   worker w     agree/<w>        {c: the challenge it read, n: fresh 32 bytes}  (again if c changes)
+#   coordinator  agree/run        {c, n: [every worker's n]}  once each agree/<w> echoes its c
+#   run id = SHA-256(c, n_0..n_W-1)[:16]
+#
+# The coordinator takes only joins that echo its own fresh challenge, and a worker only the run
+# record that lists its own fresh nonce, so neither accepts a replay of another run's; every
+# later record's MAC and every DiComm handshake key covers the run id.
+
+NONCE_BYTES = 32
+
+
+def run_id(challenge: bytes, nonces: list) -> bytes:
+    return hashlib.sha256(msgpack.packb(["h2x-run", challenge, list(nonces)],
+                                        use_bin_type=True)).digest()[:RUN_BYTES]
+
+
+def _nonce(v) -> bool:
+    return type(v) is bytes and len(v) == NONCE_BYTES
+
+
+def open_run(records: Records, num_workers: int, timeout: float) -> bytes:
+    """The coordinator's half of agreeing on the run id (above); binds `records` to it."""
+    c = secrets.token_bytes(NONCE_BYTES)
+    records.put("agree/challenge", {"c": c})
+    nonces: dict[int, bytes] = {}
+    deadline = time.monotonic() + timeout
+    while len(nonces) < num_workers:
+        for w in range(num_workers):
+            if w not in nonces:
+                j = records.poll(f"agree/{w}", f"worker w{w}'s join record")
+                if j is not None and j.get("c") == c and _nonce(j.get("n")):
+                    nonces[w] = j["n"]
+        if len(nonces) < num_workers and time.monotonic() > deadline:
+            missing = " ".join(f"w{w}" for w in range(num_workers) if w not in nonces)
+            raise H2Error(f"worker(s) {missing} did not join the run within {timeout:g} s",
+                          hint="are all hosts started with the same build, store and secret?")
+        time.sleep(0.02)
+    listed = [nonces[w] for w in range(num_workers)]
+    records.put("agree/run", {"c": c, "n": listed})
+    run = run_id(c, listed)
+    records.bind(run)
+    return run
+
+
+def join_run(records: Records, wid: int, num_workers: int, timeout: float) -> bytes:
+    """Worker `wid`'s half of agreeing on the run id (above); binds `records` to it."""
+    n = secrets.token_bytes(NONCE_BYTES)
+    echoed = None
+    ignored: set = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ch = records.poll("agree/challenge", "the coordinator's challenge")
+        if ch is not None and _nonce(ch.get("c")) and ch["c"] != echoed:
+            records.put(f"agree/{wid}", {"c": ch["c"], "n": n})
+            echoed = ch["c"]
+        r = records.poll("agree/run", "the run record")
+        if r is not None:
+            listed = r.get("n")
+            if echoed is not None and r.get("c") == echoed and isinstance(listed, list) \
+                    and len(listed) == num_workers and listed[wid] == n \
+                    and all(_nonce(x) for x in listed):
+                run = run_id(echoed, listed)
+                records.bind(run)
+                return run
+            if echoed is not None and r.get("c") != echoed and repr(r.get("c")) not in ignored:
+                ignored.add(repr(r.get("c")))   # no answer to this run's challenge: another run's
+                records.rdv.on_foreign(f"ignored rendezvous record '{records.ns}/agree/run': it "
+                                       f"answers another run's challenge, not this run's")
+        time.sleep(0.02)
+    raise H2Error(f"worker w{wid} could not agree on a run with the coordinator (worker w0) "
+                  f"within {timeout:g} s", hint="is worker w0's host started, with the same "
+                                                "secret? Its own error says why it is not")
 
 
 TRACE_PART_BYTES = 48 * 1024        # a trace goes through the store in records under its limit
@@ -270,7 +377,8 @@ def collect_trace(records: Records, wid: int, timeout: float) -> list:
 
 
 class EventSender:
-    """emit(event) for a worker under torchrun: event n of worker w is record `ev/<w>/<n>`."""
+    """emit(event) for a worker under torchrun: event n of worker w is record `ev/<w>/<n>`; its
+    heartbeat says how many were sent, so a missing one is noticed."""
 
     def __init__(self, records: Records, wid: int):
         self.records, self.wid, self.n = records, wid, 0
@@ -322,22 +430,26 @@ class Stop:
 # ---- the worker's side -------------------------------------------------------------------------
 
 def _heartbeat(records: Records, wid: int, host: int, addr: str, status: np.ndarray, stop: Stop,
-               parent: int, where: str):
-    """Every HEARTBEAT_S: publish hb/<w>; obey `stop`; give up when the store is unreachable or
-    the agent is gone."""
+               parent: int, where: str, emit: EventSender):
+    """Every HEARTBEAT_S once the run id is agreed: publish hb/<w> (with the count of events
+    sent); obey `stop`; give up when the store is unreachable or the agent is gone."""
     n, last_ok = 0, time.monotonic()
     hostname = socket.gethostname()
     while True:
         if os.getppid() != parent:          # torchrun's agent is gone: no worker outlives it
             stop("worker stopped: its torchrun agent exited", show=False)
+        if not records.run:
+            last_ok = time.monotonic()
+            time.sleep(HEARTBEAT_S)
+            continue
         try:
             n += 1
             records.put(f"hb/{wid}", {"n": n, "step": int(status[1]), "pc": int(status[2]),
-                                      "state": int(status[3]), "host": host,
+                                      "state": int(status[3]), "host": host, "events": emit.n,
                                       "hostname": hostname, "addr": addr, "pid": os.getpid()})
-            if records.has("stop"):
-                msg = records.get("stop", "the stop record", timeout=2).get("message", "stopped")
-                stop(str(msg), show=False)
+            r = records.poll("stop", "the stop record")
+            if r is not None:
+                stop(str(r.get("message", "stopped")), show=False)
             last_ok = time.monotonic()
         except Exception as e:              # noqa: BLE001 - the store is down or cut off
             if time.monotonic() - last_ok > STORE_LOST_S:
@@ -354,7 +466,9 @@ def serve(a, console, cfg) -> int:
     from executor import dicomm
     from executor.build import BuildDir
     from executor.checkpoint import load_worker_checkpoint
-    from executor.worker import ChunkedWorker, Worker, _report_failure, _token_batches
+    from executor.ccl import open_ccl
+    from executor.worker import (ChunkedWorker, Worker, _report_failure, _token_batches,
+                                 take_device, worker_devices)
 
     env = ElasticEnv.from_environ()
     build = BuildDir(a.build)
@@ -363,16 +477,20 @@ def serve(a, console, cfg) -> int:
     addr = listen_address(a.iface, build, env.host, env.master_addr)
     store = open_store(env, addr, max(a.timeout, 30.0))
     where = f"{env.master_addr}:{env.master_port}"
-    records = Records(store, env.namespace, secret, a.timeout, where)
+
+    def note(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"note: worker w{wid}: {text}", file=console, flush=True)
+    records = Records(store, env.namespace, secret, a.timeout, where, note)
     stop = Stop(console, hosts_store=not env.agent_store and env.rank == 0)
     W = len(build.workers)
     status = np.zeros(4)
     # emulated hosts of one machine (a cluster with shared_cores) share its cores: all workers
     shared = (build.manifest.get("cluster") or {}).get("shared_cores")
     pin_to_core(wid, sharing=W if shared else len(build.hosts[build.workers[wid].get("host", 0)]))
-    threading.Thread(target=_heartbeat, args=(records, wid, env.host, addr, status, stop,
-                                              os.getppid(), where), daemon=True).start()
     emit = EventSender(records, wid)
+    threading.Thread(target=_heartbeat, args=(records, wid, env.host, addr, status, stop,
+                                              os.getppid(), where, emit), daemon=True).start()
     coordinator = None
     if wid == 0:
         from dataclasses import replace
@@ -382,19 +500,31 @@ def serve(a, console, cfg) -> int:
         coord_records = Records(open_store(replace(env, rank=-1), addr, 30.0), env.namespace,
                                 secret, a.timeout, where)
         coordinator = Coordinator(build, a, env, coord_records, stop, console)
+        coord_records.rdv.on_foreign = lambda text: coordinator.out(f"note: {text}")
         coordinator.start()
+    try:
+        run = join_run(records, wid, W, STARTUP_S)
+    except H2Error as e:
+        stop(str(e))
     try:
         plan = records.get("plan", "the coordinator's start record", timeout=STARTUP_S)
         limit_torch_threads()
         keep_freed_memory()
         recipe = {**cfg.recipe(), **plan["settings"]}
         kind = ChunkedWorker if build.workers[wid].get("chunks") else Worker
+        devices = worker_devices(build, a.device, a.device_map,
+                                 [w.get("host", 0) for w in build.workers])
+        take_device(devices[wid], wid, build)
         worker = kind(build, wid, None, _token_batches(build, wid, recipe["data"]),
-                      recipe, emit, status, a.device)
+                      recipe, emit, status, devices[wid])
         comm = dicomm.connect(wid, W, secret=secret, transport=plan["transport"], fallback=True,
                               timeout=a.timeout, host=addr, namespace=env.namespace + "/dicomm",
-                              store=store)
+                              store=store, run=run, on_foreign=note)
         worker.comm = comm
+        ccl = open_ccl(build.manifest, wid, devices, lambda: store, timeout=a.timeout, host=addr,
+                       namespace=env.namespace + "/ccl")
+        if ccl is not None:
+            worker.use_ccl(ccl)
         emit({"event": "ready", "worker": wid, "transport": comm.transport})
         if plan["resume_from"]:
             load_worker_checkpoint(Path(plan["resume_from"]), worker)
@@ -406,7 +536,10 @@ def serve(a, console, cfg) -> int:
         if plan.get("trace"):
             publish_trace(records, wid, worker.trace)
         comm.barrier(list(range(W)))
-        links = [dict(link, src=wid) for link in comm.links()]
+        links = [dict(link, src=wid) for link in comm.links()
+                 + (ccl.links() if ccl is not None else [])]
+        if ccl is not None:
+            ccl.close()
         comm.close()
         emit({"event": "done", "worker": wid, "links": links})
     except BaseException as e:              # noqa: BLE001 - reported to the coordinator

@@ -96,9 +96,14 @@ class Worker(StreamInterpreter):
             if len(self.tp_group) > 1 or stage_moe or comm_ops(st.fwd) | comm_ops(st.bwd) else None
         self.sent_bytes = {"act": 0, "grad": 0}    # boundary bytes this worker sent (per step)
         weights = build.path / w["weights"] if w.get("weights") else st.weights
-        from safetensors.numpy import load_file
-        self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(weights)).items()}
-        self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in load_file(str(st.consts)).items()}
+        # checked against the build's digests and the types the stage's programs take
+        types = {v.name: v.type for g in (st.fwd, st.bwd) for v in g.all_params()}
+        self.params = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in
+                       build.load_tensors(weights, "weights file", {
+                           k: types.get(k) for k in self.sig["params"]}, exact=True).items()}
+        self.consts = {k: self.be.from_numpy(v, dtype_of_host(v.dtype)) for k, v in
+                       build.load_tensors(st.consts, "constants file", {
+                           v.name: v.type for v in st.fwd.consts}, exact=False).items()}
         missing = [k for k in self.sig.get("fixed_inputs", []) if k not in self.consts]
         if missing:       # the model inputs after the token ids live with stage 0's constants
             raise H2Error(f"stage {self.stage_idx}'s constants lack the model input {missing[0]}",
@@ -129,6 +134,7 @@ class Worker(StreamInterpreter):
                              self._type_of(k).dtype in FLOAT_DTYPES]
         self.takes_rng = any(v.name == DROPOUT_SEED_INPUT for v in st.fwd.inputs)
         self.trace: list = []
+        self.ccl = None         # the stack's collective library (executor/ccl.py), if any group
         # peak memory: live tensors (backends/memory.py); a chunk shares its worker's meter
         self.meter = LiveTensorMeter(self.be.storage)
         self.mem_owner = self
@@ -264,12 +270,22 @@ class Worker(StreamInterpreter):
 
     # one peer, or a TP group: each sender transmits its share (executor/redistribute.py)
     def send_act(self, ins):
+        if self._ccl_p2p(self.wid, ins.peer):
+            acts = self.acts_out.pop(ins.mb)
+            for k in sorted(acts):      # one order on both ends: NCCL matches sends in order
+                self.sent_bytes["act"] += self.ccl.send(ins.peer, acts[k], f"act:{k}", ins.mb)
+            return
         for k, t in self.acts_out.pop(ins.mb).items():
             self.sent_bytes["act"] += send_shares(self.comm, self.be.to_numpy(t), ins,
                                                   f"act:{k}{self._tag(self.stage_idx)}",
                                                   self.stage_idx)
 
     def recv_act(self, ins):
+        if self._ccl_p2p(ins.peer, self.wid):
+            self.acts_in[ins.mb] = {k: self.ccl.recv(ins.peer, self.in_types[k].shape,
+                                                     self.in_types[k].dtype, f"act:{k}", ins.mb)
+                                    for k in sorted(self.sig["inputs"])}
+            return
         got = {}
         for k in self.sig["inputs"]:
             a = recv_shares(self.comm, ins, f"act:{k}{self._tag(self.stage_idx - 1)}",
@@ -278,6 +294,13 @@ class Worker(StreamInterpreter):
         self.acts_in[ins.mb] = got
 
     def send_grad(self, ins):
+        if self._ccl_p2p(self.wid, ins.peer):
+            grads = self.grads_in.pop(ins.mb)
+            for k in sorted(grads):
+                t = self.in_types[k]
+                g = grads[k] if grads[k] is not None else self.be.zeros(t.shape, t.dtype)
+                self.sent_bytes["grad"] += self.ccl.send(ins.peer, g, f"grad:{k}", ins.mb)
+            return
         for k, g in self.grads_in.pop(ins.mb).items():
             t = self.in_types[k]
             arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, host_dtype(t.dtype))
@@ -286,12 +309,22 @@ class Worker(StreamInterpreter):
                                                    self.stage_idx)
 
     def recv_grad(self, ins):
+        if self._ccl_p2p(ins.peer, self.wid):
+            self.grads_out[ins.mb] = {k: self.ccl.recv(ins.peer, self._type_of(k).shape,
+                                                       self._type_of(k).dtype, f"grad:{k}", ins.mb)
+                                      for k in sorted(self.grad_outputs)}
+            return
         got = {}
         for k in self.grad_outputs:
             a = recv_shares(self.comm, ins, f"grad:{k}{self._tag(self.stage_idx + 1)}",
                             self._type_of(k).shape)
             got[k] = self.be.from_numpy(a, self._type_of(k).dtype)
         self.grads_out[ins.mb] = got
+
+    def _ccl_p2p(self, sender: int | None, receiver: int | None) -> bool:
+        """A one-peer stage transfer the build puts on the stack's library (executor/ccl.py)."""
+        return self.ccl is not None and None not in (sender, receiver) and \
+            self.ccl.owns("p2p", (sender, receiver))
 
     # ---- tied parameters -----------------------------------------------------------------------
     # transfers are tagged with the holder's stage (a virtual-stage worker may hold the owner
@@ -333,6 +366,9 @@ class Worker(StreamInterpreter):
         if ins.ep:          # an EP stage: expert gradients have their own group and scale
             experts = {k for ks in self.moe.params.values() for k in ks} & set(self.opt_names)
         names = [k for k in self.opt_names if k not in experts]
+        if self.ccl is not None and self.ccl.owns("dp", ins.group):
+            self._ccl_all_reduce(ins, names, experts)
+            return
         arrs = [np.ascontiguousarray(self.be.to_numpy(self._grad(k))) for k in names]
         self.comm.all_reduce(arrs, group=list(ins.group), op="avg")
         for k, a in zip(names, arrs):
@@ -350,6 +386,58 @@ class Worker(StreamInterpreter):
                 self.comm.all_reduce(arrs, group=group, op="avg")
             for k, a in zip(names, arrs):
                 self.param_grads[k] = self.be.from_numpy(np.ascontiguousarray(a), "f32")
+
+    def _ccl_all_reduce(self, ins, names: list, experts: set) -> None:
+        """`all_reduce` on the stack's library: the same sums and scaling, on the device."""
+        group = list(ins.group)
+        self.param_grads.update(zip(names, self.ccl.all_reduce([self._grad(k) for k in names],
+                                                               group)))
+        if experts:
+            ep = ins.ep[0]
+            sub = [g for i, g in enumerate(group) if i % ep == self.ep_rank]
+            names = sorted(experts)
+            grads = [self._grad(k).float() / ep for k in names]
+            if len(sub) > 1:
+                if not self.ccl.owns("dp", sub):
+                    raise H2Error(f"worker w{self.wid}: the expert gradients' group {sub} is not "
+                                  f"on {self.ccl.library} while its stage's group {group} is",
+                                  str(self.build.path / "manifest.json"),
+                                  hint="recompile the build with `h2c compile`")
+                grads = self.ccl.all_reduce(grads, sub)
+            self.param_grads.update(zip(names, grads))
+
+    def use_ccl(self, ccl) -> None:
+        """Run the groups the build puts on the stack's collective library there (executor/ccl.py):
+        the DP all-reduce, one-peer stage transfers, the programs' TP collectives and EP
+        all-to-all."""
+        from executor.ccl import EPExchange, TPCollectives
+        self.ccl = ccl
+        pc = self.prog_comm
+        if pc is None:
+            return
+        if pc.tp is not None and ccl.owns("tp", pc.tp.group):
+            pc.tp = TPCollectives(ccl, pc.tp.group, pc.tp.rank)
+        if len(pc.ep_group) > 1 and ccl.owns("ep", pc.ep_group):
+            exchange = EPExchange(ccl)
+            pc.comm_of = lambda: exchange
+
+    def _via(self, ins) -> str | None:
+        """The collective library an instruction's transfers run on when it is not DiComm."""
+        c = self.ccl
+        if c is None:
+            return None
+        if ins.op == "all_reduce":
+            on = c.owns("dp", ins.group)
+        elif ins.op in ("send_act", "send_grad"):
+            on = self._ccl_p2p(self.wid, ins.peer)
+        elif ins.op in ("recv_act", "recv_grad"):
+            on = self._ccl_p2p(ins.peer, self.wid)
+        elif ins.op in ("fwd", "bwd", "bwd_input", "bwd_weight"):
+            on = (ins.group is not None and c.owns("tp", ins.group)) or \
+                (ins.ep is not None and c.owns("ep", ins.ep))
+        else:
+            on = False
+        return c.library if on else None
 
     # ZeRO-1 (executor/zero.py): the all-reduce's halves around the optimizer step
     def reduce_scatter(self, ins):
@@ -465,6 +553,9 @@ class Worker(StreamInterpreter):
                 "bwd_weight": f"W{ins.mb}"}.get(ins.op, str(ins))
         if ins.chunk is not None and ins.op in self._LANES and ins.op != "opt_step":
             name += f"c{ins.chunk}"
+        via = self._via(ins)
+        if via:
+            name += f" via {via}"
         self.trace.append((self._LANES.get(ins.op, "comm"), name, self._t0 - self.t_origin,
                            t1 - self._t0, self.step))
 
@@ -723,7 +814,7 @@ class ChunkedWorker(Worker):
         self.meter = self.chunks[0].meter
         for ch in self.chunks:
             ch.meter, ch.mem_owner = self.meter, self
-        self.tp_rank, self.moe, self.prog_comm = 0, None, None
+        self.tp_rank, self.moe, self.prog_comm, self.ccl = 0, None, None, None
         self.param_names = [f"c{c}.{k}" for c, ch in enumerate(self.chunks)
                             for k in ch.param_names]
         self.opt_names = [f"c{c}.{k}" for c, ch in enumerate(self.chunks) for k in ch.opt_names]
@@ -749,6 +840,11 @@ class ChunkedWorker(Worker):
     def opt_steps(self, n: int):
         for ch in self.chunks:
             ch.opt_steps = n
+
+    def use_ccl(self, ccl) -> None:
+        self.ccl = ccl
+        for ch in self.chunks:
+            ch.use_ccl(ccl)
 
     def reset_step(self, step: int):
         self.step = step
@@ -806,6 +902,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--device-map", default=None)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--recipe", required=True, help="the training recipe (JSON, the launcher's)")
     return ap
@@ -894,7 +991,7 @@ def _report_failure(wid: int, emit, e: BaseException) -> int:
 
 
 def _serve(a, emit) -> int:
-    build = BuildDir(a.build)
+    build = BuildDir(a.build, check="used")     # the launcher checked the rest
     W = len(build.workers)
     pin_to_core(a.worker, sharing=W)
     status = _status_slot(a.status, W, a.worker)
@@ -906,11 +1003,17 @@ def _serve(a, emit) -> int:
     # the stage is loaded before connecting: a bad stage file is this worker's start-up error,
     # not its peers' broken handshake
     kind = ChunkedWorker if build.workers[a.worker].get("chunks") else Worker
-    worker = kind(build, a.worker, None, data, recipe, emit, status, a.device)
+    devices = worker_devices(build, a.device, a.device_map)
+    take_device(devices[a.worker], a.worker, build)
+    worker = kind(build, a.worker, None, data, recipe, emit, status, devices[a.worker])
     from executor import dicomm
     comm = dicomm.connect(a.worker, W, "127.0.0.1", a.store_port, os.environ["H2_SECRET"],
                           transport=a.transport, fallback=True, timeout=a.timeout)
     worker.comm = comm
+    from executor.ccl import open_ccl
+    ccl = open_ccl(build.manifest, a.worker, devices, lambda: _store_client(a), timeout=a.timeout)
+    if ccl is not None:
+        worker.use_ccl(ccl)
     emit({"event": "ready", "worker": a.worker, "transport": getattr(comm, "transport", a.transport)})
     if a.resume_from:
         load_worker_checkpoint(Path(a.resume_from), worker)
@@ -921,10 +1024,49 @@ def _serve(a, emit) -> int:
     finally:
         Path(a.run_dir, f"trace_w{a.worker}.json").write_text(json.dumps(worker.trace))
     comm.barrier(list(range(W)))
-    links = [dict(link, src=a.worker) for link in comm.links()]   # what really carried the run
+    links = [dict(link, src=a.worker) for link in comm.links()   # what really carried the run
+             + (ccl.links() if ccl is not None else [])]
+    if ccl is not None:
+        ccl.close()
     comm.close()
     emit({"event": "done", "worker": a.worker, "links": links})
     return 0
+
+
+def _store_client(a):
+    """A client of the launcher's rendezvous store (torch's TCPStore)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", a.store_port, is_master=False,
+                    timeout=timedelta(seconds=max(a.timeout, 30.0)), wait_for_workers=False)
+
+
+def worker_devices(build: BuildDir, device: str | None, device_map: str | None,
+                   hosts: list[int] | None = None) -> list:
+    """Every worker's torch device in this run (h2ir/schedule/devices.py `run_devices`; `hosts`:
+    each worker's machine, None: all on this one); a worker the manifest gives none runs on its
+    stage's."""
+    from h2ir.schedule.devices import run_devices
+    stages = build.manifest["stages"]
+    return [dev or stages[w["stage"]].get("device") or "cpu"
+            for w, dev in zip(build.workers, run_devices(build.workers, device, device_map, hosts))]
+
+
+def take_device(dev: str | None, wid: int, build: BuildDir) -> None:
+    """Make a CUDA `dev` this process's current device (NCCL and the caching allocator use it);
+    an index this host does not have is refused."""
+    if not dev or not dev.startswith("cuda"):
+        return
+    import torch
+    index = torch.device(dev).index or 0
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= have:
+        raise H2Error(f"worker w{wid} is to run on {dev}, but this host has {have} CUDA "
+                      "device(s)", str(build.path / "manifest.json"),
+                      hint="the cluster file's chips_per_node says how many a host has; "
+                           "--device-map places workers explicitly (\"w0+w1=cuda:0\" shares one)")
+    torch.cuda.set_device(index)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,13 @@ from h2ir.clusters.clusterfile import load_cluster
 from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, SEED_MAX, H2Error,
                          int_flag)
 from h2ir.planner import search as heteroauto
+from h2ir.planner.collectives import Member, build_groups, stream_notes
 from h2ir.planner.simulate import (SimResult, chunk_durations, manifest_b_fractions, plan_chunks,
                                    plan_layout, program_comm_volumes, simulate_build)
 from h2ir.planner.validate import validate_plan
 from h2ir.plans.dsl import format_plan, load_plan
 from h2ir.plans.plan import SCHEDULES
+from h2ir.schedule.devices import assign_devices
 from h2ir.schedule.grid import format_grid
 from h2ir.schedule.streams import (SPLIT_SCHEDULES, build_streams, format_stream,
                                    tied_stage_groups, worker_hosts)
@@ -120,15 +122,16 @@ def cluster_calibration(cluster):
 def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: int, seq_len: int,
                        log=print, keep=frozenset()):
     """Plans for chips marked `measured` (this machine's backends) use measured per-layer times of
-    this model, measured with as many workers at once as the cluster has chips. They are keyed
-    by the model file's content and arguments, the shapes, dtype, backend, threads and workers
+    this model, measured under the co-location the cluster's chips run with (its busiest set of
+    shared cores: frontend/profile.py `colocation_of`). They are keyed by the model file's
+    content and arguments, the shapes, dtype, backend, threads and co-location
     (frontend/profile.py `layer_record_key`); a record that is missing, from
     another host, stale (age, torch/numpy versions) or noisy is measured again, and a fresh one
     that is still noisy is reported. Returns the calibration restricted to this model's records
     at this micro-batch and the record ids in `keep` (the same model measured at other
     micro-batches), or None when the cluster has no measured chip."""
     from backends.calibrate import software_versions
-    from frontend.profile import layer_record_key
+    from frontend.profile import colocation_of, layer_record_key
     from h2ir.planner.calibration import problems, record_id
     backends = measured_backends(cluster)
     if not backends:
@@ -139,9 +142,10 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
     sw = software_versions()
     name = Path(model_path).stem
     ids, todo = {}, []
+    colocation = colocation_of(cluster)
     for b in backends:
         rid = ids[b] = record_id(layer_record_key(model_path, model_args, micro_batch, seq_len, b,
-                                                  cluster.total_chips))
+                                                  colocation))
         rec = cal.records.get(rid)
         why = ["not measured yet"] if rec is None else problems(rec, software=sw)
         if why:
@@ -153,7 +157,7 @@ def ensure_layer_times(cluster, model_path: str, model_args: dict, micro_batch: 
             f"x {seq_len}; stored in the calibration file)")
         with phase(f"measuring {name}'s layer times on {', '.join(todo)}"):
             record(model_path, model_args, micro_batch, seq_len, todo, log=log,
-                   workers=cluster.total_chips)
+                   colocation=colocation)
         cal = ensure_calibration(backends, log=quiet)
         for b in todo:
             why = problems(cal.records[ids[b]], software=sw)
@@ -443,6 +447,38 @@ def _write_streams(out: Path, plan, costs, stages_meta, cluster,
     return streams, workers
 
 
+def _comm_groups(plan, cluster, costs, progs, stages_meta, workers, streams) -> list:
+    """The build's communication groups and the library each runs on (h2ir/planner/
+    collectives.py), costed at one message of each: a stage's gradients, its boundary tensor,
+    its programs' mean TP all-reduce and EP all-to-all."""
+    members = [Member(stack=stages_meta[w["stage"]]["stack"], backend=w["backend"],
+                      device=stages_meta[w["stage"]].get("device"), host=w.get("host", 0),
+                      chip=w["chip"], stage=w["stage"]) for w in workers]
+    layer = {l.name: l for l in costs.layers}
+    volumes = {}
+    for s, (st, p) in enumerate(zip(plan.stages, progs)):
+        ls = [layer[n] for n in st.layers if n in layer]
+        volumes[("dp", s)] = sum(l.param_bytes for l in ls) // max(1, st.tp)
+        if ls:
+            volumes[("p2p", s)] = ls[-1].out_bytes
+        fwd, bwd = program_comm_volumes(p.fwd, p.bwd)
+        for kind, op in (("tp", "all_reduce"), ("ep", "all_to_all")):
+            sizes = [n for o, n, _ in fwd + bwd if o == op]
+            if sizes:
+                volumes[(kind, s)] = sum(sizes) / len(sizes)
+    return build_groups(streams, members, plan.comm, cluster, volumes, plan.is_virtual)
+
+
+def _note_comm(out: Path, workers: list[dict], groups: list) -> None:
+    """Each worker's groups and their libraries as comment lines under its stream's header."""
+    for w in workers:
+        notes = stream_notes(groups, w["id"])
+        if notes:
+            path = out / w["stream"]
+            head, _, rest = path.read_text().partition("\n")
+            path.write_text(f"{head}\n{notes}{rest}")
+
+
 def _durations(plan, costs, cluster, cal, stages_meta) -> dict | None:
     """The stages' predicted (F, B, W) times, which the zero-bubble virtual-stage schedules
     are ordered by (their split programs' FLOP shares give B and W)."""
@@ -551,6 +587,11 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         _write_weights(cap, progs, model_path, model_args, seed, out,
                        config.init.from_ if config is not None else None, log)
     streams, workers = _write_streams(out, plan, costs, stages_meta, cluster, cal)
+    for w, dev in zip(workers, assign_devices(workers, [m.get("device") for m in stages_meta],
+                                              cluster)):
+        w.update(dev)
+    comm = _comm_groups(plan, cluster, costs, progs, stages_meta, workers, streams)
+    _note_comm(out, workers, comm)
     sim = simulate_build(costs, plan, cluster, cal, streams,
                          {p.index: program_comm_volumes(p.fwd, p.bwd) for p in progs},
                          manifest_b_fractions(stages_meta))
@@ -561,6 +602,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
                        "inflight": mem.inflight, "items": dict(mem.items)}
     manifest = _manifest(cap, costs, plan, cluster, model_path, model_args, seed, dry_run, out,
                          stages_meta, workers, sim)
+    manifest["comm"] = {"setting": plan.comm, "groups": [g.to_json() for g in comm]}
     # the layer-time records this prediction used, so h2x predicts from the same ones (a
     # calibration file holds other models' and shapes' records too)
     selected = getattr(cal, "selected", None) if cal is not None else None
@@ -571,6 +613,7 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
         manifest["calibration"] = BUILD_CALIBRATION
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _write_config(out, config, model_path, model_args, plan, cluster_arg, schedule, search, seed)
+    write_digests(out)
     log(f"predicted step time {sim.step_time_s:.4g} s (simulated from the build's {len(streams)} "
         f"stream file(s))")
     note = sim.estimate_note()
@@ -581,6 +624,34 @@ def compile_model(model_path: str, *, model_args: dict | None = None, cluster_ar
 
 BUILD_CALIBRATION = "calibration.json"
 BUILD_CONFIG = "train.toml"      # executor/build.py reads it; not in the build's fingerprint
+BUILD_DIGESTS = "digests.json"   # executor/build.py checks every file h2x reads against it
+DIGESTS_FORMAT = "h2-digests/1"
+# not digested: the job configuration, whose non-program fields a user may edit, and what
+# `h2x run` writes into a build (checkpoints, worker logs, token caches, its lock: dot files)
+_UNDIGESTED = {BUILD_CONFIG, BUILD_DIGESTS}
+_RUN_OUTPUTS = {"ckpt", "logs", "data"}
+
+
+def write_digests(out: Path) -> None:
+    """Every file h2c wrote into the build (train.toml aside) with its sha256 and size, so that
+    h2x refuses a file changed, truncated or swapped after the compile, weights included."""
+    out = Path(out)
+    files = {}
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        top = rel.split("/")[0]
+        if top in _RUN_OUTPUTS or top.startswith(".") or rel in _UNDIGESTED:
+            continue
+        if p.is_file() and not p.is_symlink():
+            h, size = hashlib.sha256(), 0
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                    size += len(chunk)
+            files[rel] = {"sha256": h.hexdigest(), "size": size}
+    (out / BUILD_DIGESTS).write_text(json.dumps({"format": DIGESTS_FORMAT, "files": files},
+                                                indent=1) + "\n")
+
 
 
 def _write_config(out: Path, cfg, model_path, model_args, plan, cluster_arg, schedule, search,

@@ -9,9 +9,13 @@
     stage chip=Chip-A chips=32 tp=8 recompute=full layers=embed, 0..17
     stage chip=Chip-B chips=32 tp=8 recompute=none layers=18..95, head
     moe ep=4 placement=balanced a2a=halo migration=periodic(100) capacity=1.25 threshold=1.3
+    comm     ccl
 
 A stage may set its own expert-parallel degree (`stage ... ep=2`); without it the moe section's
-`ep` applies. `stage ... zero=1` shards the stage's AdamW state over its dp replicas (ZeRO-1). `format_plan` prints the canonical form (the layout above, every option spelled out), and
+`ep` applies. `stage ... zero=1` shards the stage's AdamW state over its dp replicas (ZeRO-1). `comm
+auto|dicomm|ccl` says which library carries a group whose members share a software stack
+(h2ir/planner/collectives.py; auto when absent).
+`format_plan` prints the canonical form (the layout above, every option spelled out), and
 `parse_plan(format_plan(p)) == p` for every plan that parses. Source positions are kept out of
 equality: StagePlan.line / MoEPlan.line and Plan.locations ('stage.1.tp' -> (line, column)) let
 h2ir/planner/validate.py point its errors at the text.
@@ -30,8 +34,8 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedInput
 
 from h2ir.errors import H2Error, lark_error, read_user_file
-from h2ir.plans.plan import (A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES,
-                             VIRTUAL_SCHEDULES, ZERO_STAGES, MoEPlan, Plan, StagePlan)
+from h2ir.plans.plan import (A2A_ALGOS, COMM_SETTINGS, MIGRATION, PLACEMENTS, RECOMPUTE,
+                             SCHEDULES, VIRTUAL_SCHEDULES, ZERO_STAGES, MoEPlan, Plan, StagePlan)
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "h2plan.lark"
 
@@ -95,6 +99,8 @@ def format_plan(plan: Plan) -> str:
         thr = f" threshold={format_factor(m.threshold)}" if m.migration != "none" else ""
         out.append(f"moe ep={m.ep} placement={m.placement} a2a={m.a2a} migration={migration} "
                    f"capacity={cap}{thr}")
+    if plan.comm != "auto":                             # plans without it print as before
+        out.append(f"comm     {plan.comm}")
     return "\n".join(out) + "\n"
 
 
@@ -196,6 +202,8 @@ class _PlanBuilder:
                 stages.append(self.stage(stmt, len(stages)))
             elif kind == "moe":
                 moe = self.moe(stmt)
+            elif kind == "comm":
+                values["comm"] = self.word(stmt.children[0], COMM_SETTINGS, "comm setting")
         for kind, example in (("model", 'model "examples/tiny_gpt.py"'),
                               ("cluster", 'cluster "local"'),
                               ("batch", "batch global=8 micro=1 seq=128")):
@@ -208,7 +216,7 @@ class _PlanBuilder:
                     global_batch=values["global"], micro_batch=values["micro"],
                     seq_len=values["seq"], stages=stages, dp=values.get("dp", 1),
                     schedule=values.get("schedule", "1f1b"), moe=moe,
-                    virtual=values.get("virtual", 1),
+                    virtual=values.get("virtual", 1), comm=values.get("comm", "auto"),
                     locations=self.locations)
 
     def batch(self, stmt: Tree) -> dict:

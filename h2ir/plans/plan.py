@@ -28,6 +28,9 @@ A2A_ALGOS = ("flat", "halo")
 PLACEMENTS = ("contiguous", "round_robin", "balanced")
 MIGRATION = ("none", "periodic")
 ZERO_STAGES = (0, 1)
+# which library carries a group that shares a software stack: DiComm, the stack's own
+# collective library, or the cheaper of the two per group (h2ir/planner/collectives.py)
+COMM_SETTINGS = ("auto", "dicomm", "ccl")
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Plan:
     # chunks per worker of a virtual-stage schedule: `stages` are then the virtual stages in
     # model order, and a worker runs `virtual` of them (`chunk_stages`)
     virtual: int = 1
+    comm: str = "auto"               # COMM_SETTINGS
     source: str | None = field(default=None, compare=False)   # file the plan came from
     # where each statement/option was written: 'batch', 'dp', 'stage.2', 'stage.2.tp', 'moe.ep', ...
     # -> (line, column); filled by h2ir/plans/dsl.py so validation errors can point at the text

@@ -126,14 +126,16 @@ class WorkerLayout:
         return tuple(self.wid(q, stage, rank) for q in range(self.dp))
 
 
-def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[int]:
+def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster,
+                 renumber: bool = True) -> list[int]:
     """The host (node) index of every worker, from the cluster's chip assignment: hosts are
     numbered over the node groups in file order, then node by node (a group of `count` nodes
     with `chips_per_node` chips each); each worker, in id order, takes the next free chip of its
     stage's chip type. Replica-major ids put a replica's stages on consecutive chips, so a
     pipeline stays inside a host when it fits, and a stage's TP ranks (consecutive ids) share
     one. A cluster with too few chips of a type (not a valid plan) wraps around. Hosts no
-    worker uses are left out: the others are renumbered 0..N-1 in order."""
+    worker uses are left out: the others are renumbered 0..N-1 in order (`renumber=False`:
+    the cluster's own node numbers, `Cluster.node_domain`'s)."""
     # per chip type, its node groups as (first host, chips per node, chips in the group): the
     # k-th chip is found arithmetically, so the cost is in workers x groups, never in chips
     segments: dict[str, list[tuple[int, int, int]]] = {}
@@ -157,6 +159,8 @@ def worker_hosts(layout: WorkerLayout, stage_chips: list[str], cluster) -> list[
                 hosts.append(first + k // per_node)
                 break
             k -= n
+    if not renumber:
+        return hosts
     used = {h: i for i, h in enumerate(sorted(set(hosts)))}
     return [used[h] for h in hosts]
 
