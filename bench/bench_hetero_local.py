@@ -1,27 +1,36 @@
-"""Heterogeneous planning on this machine: HeteroAuto against the uniform split, with the
-planner's predicted step time beside each measured one, on `local` (two torch workers),
-`local-mixed` (torch + numpy) and `local-mixed4` (two of each on the 2 cores).
+"""Heterogeneous planning on this machine, judged by the order it puts plans in: on
+`local-mixed` (torch + numpy) and `local-mixed4` (two of each on the 2 cores) by default.
 
-- anchor: `--plan uniform` (even layer split, cluster order) on the same cluster, same run
-- h2: `--plan auto` (HeteroAuto with measured per-layer times of both backends)
+For each cluster, a set of valid plans (--plans, at least 4):
+- auto: `--plan auto` (HeteroAuto with measured per-layer times of both backends);
+- uniform: `--plan uniform` (even layer split, cluster order), the anchor;
+- the others the search ranks nearest the top (its runner-ups, then its best at each other
+  micro-batch and dp: bench/plan_ranking.py `top_plans`).
 
-The calibration is taken in this run: a fresh calibration file, so the first compile measures
-the backends and llama_tiny's layer times (`h2c compile` does that for `measured` chips). Each
-plan is compiled once and run `--runs` times, the two plans alternating. Then another model
-(llama_tiny at d=128, 4 layers) is compiled on every cluster, which records its own layer times
-into the same file, and each llama_tiny plan is compiled and run once more: its prediction must
-not move (the records are keyed by model content and shapes, never mixed up by name).
+The calibration is taken in this run, into a fresh file: the auto compile measures the backends
+and llama_tiny's layer times under the cluster's co-location (frontend/profile.py); once the
+plans are chosen, the layer times of all their micro-batches are measured again, their rounds
+alternated, and each plan is compiled from its plan file from those. Then --rounds rounds, each
+running every plan once (--steps steps, the median of steps 2..), the order rotated each
+round. The report per cluster (bench/plan_ranking.py): each plan's predicted and measured step, the
+prediction errors per round and their spread across the plans (max - min, percentage points),
+the pairwise matrix (row predicted faster than column: rounds measured so), auto >= uniform per
+round; at the end, a summary table for docs/performance.md.
 
-Prints per run measured median step time and the predicted-vs-measured error, and per cluster
-the throughput ratio auto / uniform (> 1: auto faster).
+--beside N runs N CPU-heavy jobs beside the whole run, calibration included: each a
+single-thread numpy loop of 512 x 512 fp32 matmuls (a neighbour that competes for the cores and
+the caches, as another trainer would).
 
-    .venv/bin/python bench/bench_hetero_local.py [--steps 8] [--runs 3] [--clusters a,b]
+    .venv/bin/python bench/bench_hetero_local.py [--clusters local-mixed,local-mixed4]
+        [--rounds 5] [--steps 8] [--plans 4] [--beside 0] [--json FILE] [--keying-check]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,131 +38,118 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 MODEL = str(ROOT / "examples/llama_tiny.py")
 OTHER_ARGS = {"dim": 128, "n_layers": 4, "ffn": 344}
+GLOBAL, SEQ = 16, 128
+# a CPU-heavy neighbour: one thread of fp32 matmuls, forever
+HOG = ("import numpy as np\na = np.random.default_rng(0).random((512, 512), dtype=np.float32)\n"
+       "while True:\n    a = (a @ a) * (1.0 / 512)\n")
+
+from plan_ranking import (describe, format_summary, measure_together, plan_set,  # noqa: E402
+                          report)
 
 
-def build(cluster: str, plan: str, model_args: dict | None = None) -> dict:
+def build(cluster: str, plan: str, model_args: dict | None = None, measure: bool = False) -> dict:
     from frontend.compiler import compile_model
-    out = tempfile.mkdtemp(prefix=f"h2-{cluster}-{plan}-") + "/B"
-    log: list = []
+    out = tempfile.mkdtemp(prefix=f"h2-{cluster}-{Path(plan).stem}-") + "/B"
     res = compile_model(MODEL, model_args=model_args, cluster_arg=cluster, plan_arg=plan,
-                        out_dir=out, log=log.append)
-    return {"out": out, "plan": res.plan, "measured_layers": any("measuring" in m for m in log),
-            "layers": [f"{s.chip}" + (f"(tp{s.tp})" if s.tp > 1 else "") + f":{len(s.layers)}"
-                       for s in res.plan.stages]}
+                        out_dir=out, log=lambda *a: None, measure=measure, global_batch=GLOBAL,
+                        seq_len=SEQ)
+    return {"out": out, "plan": res.plan}
 
 
-def run_once(b: dict, steps: int) -> tuple[float, float]:
+def predicted(b: dict) -> float:
     from executor.build import BuildDir
-    from executor.launcher import predicted_step_time, run
+    from executor.launcher import predicted_step_time
+    return predicted_step_time(BuildDir(b["out"])).step_time_s
+
+
+def run_once(b: dict, steps: int) -> float:
+    from executor.launcher import run
     r = run(b["out"], steps=steps, out=lambda *a: None, predict=False)
-    pred = predicted_step_time(BuildDir(b["out"])).step_time_s
-    return statistics.median(r.step_s[1:]), pred
+    return statistics.median(r.step_s[1:])
 
 
-def balance_bound(b: dict, uniform_step_s: float, uniform_pred_s: float) -> str | None:
-    """The most any plan can gain over `uniform` here, from the layer times the auto build was
-    compiled with (A(w) = every layer of one micro-batch, forward and backward, on worker w's
-    backend; m micro-batches per step; communication, optimizer step and divisibility left out,
-    so each figure is a lower bound on a step):
-    - one stage, dp over the k fastest workers: the replicas keep step, so the slowest of them
-      bounds: (m / k) * A(k-th fastest);
-    - two or more stages: 1F1B's fill and drain cost at least one stage slot, and a slot is at
-      least T* = 1 / sum_w 1 / A(w) (the whole cluster perfectly balanced): (m + 1) * T*.
-    The ratio is printed twice: the model's (predicted uniform step / that floor: both from the
-    same layer times) and against the measured uniform step (which overstates the bound when
-    the layer times are optimistic). Returns the lines to print, or None without the records."""
-    from executor.build import BuildDir
+def start_hogs(n: int) -> list:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, "-c", HOG], env=env) for _ in range(n)]
+
+
+def plan_builds(cluster: str, n: int) -> dict:
+    """{name: build} of the plans `plan_set` picks (auto, uniform and the search's nearest
+    others, n in all), their micro-batches' layer times measured again together, then each
+    compiled from its plan file without measuring (bench/plan_ranking.py)."""
     from h2ir.clusters.clusterfile import load_cluster
-    from h2ir.planner.calibration import load_calibration
-    out = Path(b["out"])
-    ids = BuildDir(out).manifest.get("calibration_records")
-    cal = load_calibration()
-    if not ids or cal is None:
-        return None
-    recs = cal.records
-    plan = b["plan"]
-    n_layers = sum(len(st.layers) for st in plan.stages)
-    per_backend = {}
-    for i in ids:
-        r = recs.get(i)
-        if r is None or r["key"]["micro_batch"] != plan.micro_batch:
-            continue
-        t = {kind: v["fwd_s"] + v["bwd_s"] for kind, v in r["layers"].items()}
-        blocks = n_layers - sum(1 for k in t if k != "transformer_block")
-        per_backend[r["key"]["backend"]] = sum(v for k, v in t.items()
-                                               if k != "transformer_block") + \
-            blocks * t.get("transformer_block", 0.0)
-    cluster = load_cluster(str(out / "cluster.toml"))
-    workers = [cluster.chip_types[g.chip].backend for g in cluster.groups for _ in range(g.chips)]
-    if not per_backend or any(w not in per_backend for w in workers):
-        return None
-    m = plan.global_batch // plan.micro_batch
-    a = sorted(per_backend[w] for w in workers)
-    one_stage = min(m / k * a[k - 1] for k in range(1, len(a) + 1))
-    t_star = 1.0 / sum(1.0 / x for x in a)
-    pipeline = (m + 1) * t_star if len(a) > 1 else float("inf")
-    floor = min(one_stage, pipeline)
-    speeds = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(per_backend.items()))
-    return (f"  bound: all layers of one micro-batch (fwd+bwd) take {speeds}; no plan on "
-            f"{len(workers)} workers steps under min(one stage x dp {one_stage:.3f} s, a "
-            f"pipeline {pipeline:.3f} s) = {floor:.3f} s\n"
-            f"  so auto / uniform <= {uniform_pred_s / floor:.2f} in the model (uniform predicted "
-            f"{uniform_pred_s:.3f} s), {uniform_step_s / floor:.2f} against the measured uniform "
-            f"{uniform_step_s:.3f} s")
-
-
-def err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas
+    from h2ir.plans.dsl import format_plan
+    d = Path(tempfile.mkdtemp(prefix=f"h2-{cluster}-plans-"))
+    cl = load_cluster(cluster)
+    plans = plan_set(build(cluster, "auto")["out"], MODEL, cl, n, GLOBAL, SEQ)
+    measure_together(MODEL, cl, plans, SEQ)
+    out = {}
+    for name, plan in plans.items():
+        f = d / f"{name}.h2plan"
+        plan.cluster = cluster
+        f.write_text(format_plan(plan))
+        out[name] = build(cluster, str(f))
+    return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clusters", default="local-mixed,local-mixed4")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--clusters", default="local,local-mixed,local-mixed4")
+    ap.add_argument("--plans", type=int, default=4, help="plans per cluster, auto and uniform "
+                    "included (at least 4 for the ranking must-show)")
+    ap.add_argument("--beside", type=int, default=0, metavar="N",
+                    help="N CPU-heavy jobs beside the run (single-thread fp32 matmul loops)")
+    ap.add_argument("--json", default=None, help="write every figure to this file")
+    ap.add_argument("--keying-check", action="store_true", help="also compile another model into "
+                    "the same calibration file and check that auto's prediction does not move")
     a = ap.parse_args()
     cal_dir = tempfile.mkdtemp(prefix="h2-bench-cal-")
     os.environ["H2_CALIBRATION"] = str(Path(cal_dir) / "calibration.json")
     t0 = time.perf_counter()
-    print(f"llama_tiny, global batch 16 x 128, {a.steps} steps per run (median of steps 2..), "
-          f"fresh calibration measured in this run; load average {os.getloadavg()[0]:.2f} at start")
-    errors = []
-    for cluster in a.clusters.split(","):
-        builds = {p: build(cluster, p) for p in ("uniform", "auto")}
-        meas = {p: [] for p in builds}
-        preds = {}
-        print(f"{cluster}:")
-        for p, b in builds.items():
-            print(f"  {p:8s} stages {' | '.join(b['layers'])}  micro-batch {b['plan'].micro_batch}"
-                  f" x {b['plan'].num_microbatches}")
-        for i in range(a.runs):
-            for p, b in builds.items():
-                m, pred = run_once(b, a.steps)
-                meas[p].append(m)
-                preds[p] = pred
-                errors.append(err(pred, m))
-                print(f"    run {i + 1} {p:8s} measured {m:.3f} s/step, predicted {pred:.3f} s "
-                      f"({err(pred, m):+.1%})")
-        # another model's layer times land in the same calibration file; ours must not move
-        build(cluster, "auto", OTHER_ARGS)
-        for p in builds:
-            again = build(cluster, p)
-            m, pred = run_once(again, a.steps)
-            errors.append(err(pred, m))
-            print(f"    after another model's compile {p:8s} stages {' | '.join(again['layers'])}"
-                  f" (re-measured: {'yes' if again['measured_layers'] else 'no'}): measured "
-                  f"{m:.3f} s/step, predicted {pred:.3f} s ({err(pred, m):+.1%})")
-        ratio = statistics.median(meas["uniform"]) / statistics.median(meas["auto"])
-        print(f"  ratio auto / uniform throughput (medians of {a.runs} runs): {ratio:.2f}")
-        line = balance_bound(builds["auto"], statistics.median(meas["uniform"]),
-                             preds["uniform"])
-        if line:
-            print(line)
-    print(f"predicted vs measured over all {len(errors)} runs: worst {max(errors, key=abs):+.1%}, "
-          f"mean |error| {statistics.mean(abs(e) for e in errors):.1%}; "
-          f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")
+    hogs = start_hogs(a.beside)
+    print(f"llama_tiny, global batch {GLOBAL} x {SEQ}, {a.steps} steps per run (median of steps "
+          f"2..), {a.rounds} rounds, plan order rotated each round; fresh calibration measured in "
+          f"this run; {os.cpu_count()} cores; beside it: "
+          + (f"{a.beside} single-thread numpy 512x512 fp32 matmul loop(s)" if a.beside else
+             "nothing of this bench's") + f"; load average {os.getloadavg()[0]:.2f} at start")
+    rows, dump = [], {}
+    try:
+        for cluster in a.clusters.split(","):
+            print(f"{cluster}:")
+            builds = plan_builds(cluster, a.plans)
+            pred = {p: predicted(b) for p, b in builds.items()}
+            desc = {p: describe(b["plan"]) for p, b in builds.items()}
+            names = list(builds)
+            rounds = []
+            for r in range(a.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                meas = {p: run_once(builds[p], a.steps) for p in order}
+                rounds.append(meas)
+                print(f"    round {r + 1} ({' '.join(order)}): " + "  ".join(
+                    f"{p} {meas[p]:.3f} s" for p in names) + f"  load {os.getloadavg()[0]:.1f}",
+                    flush=True)
+            rows.append(report(cluster, pred, rounds, desc))
+            if a.keying_check:
+                build(cluster, "auto", OTHER_ARGS)
+                again = predicted(build(cluster, "auto"))
+                print(f"  after another model's compile into the same file, auto predicts "
+                      f"{again:.3f} s (was {pred['auto']:.3f} s)")
+            dump[cluster] = {"predicted": pred, "rounds": rounds, "plans": desc}
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    print("summary (docs/performance.md):")
+    for line in format_summary(rows):
+        print("  " + line)
+    print(f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"clusters": dump, "summary": rows}, indent=1))
 
 
 if __name__ == "__main__":

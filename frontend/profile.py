@@ -21,10 +21,12 @@ single_thread_env()
 
 import argparse
 import hashlib
+import itertools
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,8 +36,9 @@ from backends.calibrate import checked, profile, software_versions
 from backends.registry import BACKENDS
 from frontend.capture import load_model_file, parse_model_args
 from h2ir.errors import MAX_MICRO_BATCH, MAX_SEQ_LEN, H2Error, int_flag
-from h2ir.planner.calibration import (Calibration, host_info, layer_key, load_calibration,
-                                      now_str, record_id, store_layer_record)
+from h2ir.planner.calibration import (Calibration, colocation_key, contention_curve, host_info,
+                                      layer_key, load_calibration, now_str, record_id,
+                                      store_layer_record)
 
 
 MIN_REPS = 5              # timed repetitions at least (after one warm-up)
@@ -197,11 +200,14 @@ def realistic_layer_values(cap, progs, be, model_args: dict, seed: int = 0) -> l
     return out
 
 
-def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backend: str,
-            seed: int = 0) -> dict:
-    """{layer kind: {fwd_s, bwd_s, fwd_spread, bwd_spread, reps, fwd_flops, bwd_flops, params,
-    layer}} for each distinct layer kind, with realistic inputs (`realistic_layer_values`), timed
-    in a chain of every layer (`layer_chain`) repeated until stable (`time_until_stable`)."""
+def prepare(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backend: str,
+            seed: int = 0):
+    """(time, busy) for this model's layer programs on `backend`: `time()` returns {layer kind:
+    {fwd_s, bwd_s, fwd_spread, bwd_spread, reps, fwd_flops, bwd_flops, params, layer, count}}
+    for each distinct layer kind, with realistic inputs (`realistic_layer_values`), timed in a
+    chain of every layer (`layer_chain`) repeated until stable (`time_until_stable`); `busy()`
+    runs the largest layer's forward once (what a measuring process keeps its core busy with
+    while the others of its phase finish)."""
     limit_torch_threads()
     keep_freed_memory()       # as a worker runs (backends/allocator.py)
     from backends.base import run_program
@@ -211,9 +217,10 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
 
     cap = trace_model(model_path, model_args, micro_batch, seq_len)
     costs = cap.graph.layer_costs()
+    variant = layer_variants(cap.graph, costs)
     kinds: dict[str, str] = {}
-    for l in cap.graph.layers:                 # first layer of each kind represents it
-        kinds.setdefault(l.kind, l.name)
+    for l in cap.graph.layers:                 # first layer of each variant represents it
+        kinds.setdefault(variant[l.name], l.name)
     names = [l.name for l in cap.graph.layers]
     try:
         progs = build_stage_programs(cap, [[n] for n in names])
@@ -221,119 +228,245 @@ def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, b
         raise cap.locate(e) from None
     be = get_backend(backend)
     values = realistic_layer_values(cap, progs, be, model_args, seed)
-    _barrier()
-    layer_kinds = [l.kind for l in cap.graph.layers]
-    times, spreads, reps = time_until_stable(layer_chain(
-        progs, values, layer_kinds, lambda g, env: run_program(g, be, env), be.synchronize))
-    out = {}
-    for kind, lname in kinds.items():
-        lc = costs.layer(lname)
-        out[kind] = {"fwd_s": times[(kind, "fwd")], "bwd_s": times[(kind, "bwd")],
-                     "fwd_spread": spreads[(kind, "fwd")], "bwd_spread": spreads[(kind, "bwd")],
-                     "reps": reps, "fwd_flops": lc.fwd_flops, "bwd_flops": lc.bwd_flops,
-                     "params": lc.params, "layer": lname}
+    layer_kinds = [variant[l.name] for l in cap.graph.layers]
+    sweep = layer_chain(progs, values, layer_kinds, lambda g, env: run_program(g, be, env),
+                        be.synchronize)
+
+    def time_layers() -> dict:
+        times, spreads, reps = time_until_stable(sweep)
+        out = {}
+        for kind, lname in kinds.items():
+            lc = costs.layer(lname)
+            out[kind] = {"fwd_s": times[(kind, "fwd")], "bwd_s": times[(kind, "bwd")],
+                         "fwd_spread": spreads[(kind, "fwd")], "bwd_spread": spreads[(kind, "bwd")],
+                         "reps": reps, "fwd_flops": lc.fwd_flops, "bwd_flops": lc.bwd_flops,
+                         "params": lc.params, "layer": lname, "count": layer_kinds.count(kind),
+                         "kind": lc.kind}
+        return out
     busiest = max(range(len(progs)), key=lambda i: costs.layers[i].fwd_flops)
-    _keep_busy(lambda: run_program(progs[busiest].fwd, be, values[busiest]["fwd"]))
-    return out
+    return time_layers, lambda: run_program(progs[busiest].fwd, be, values[busiest]["fwd"])
 
 
-def _barrier() -> None:
-    """Measuring processes started together wait here until every one has its inputs ready
-    (the parent writes a line to each one's stdin), so that all cores are busy while any of
-    them times. A process run by hand (stdin a terminal) does not wait."""
-    if os.environ.get("H2_PROFILE_BARRIER") == "1":
-        print("ready", flush=True)
+def _sequence_mixer(layer, seq_len: int) -> str:
+    """What mixes a block's sequence positions: attention (a fused op, or a softmax over
+    scores with two sequence axes), a selective scan ('ssm'), a convolution alone ('conv'),
+    several ('attention+ssm'), or none ('mlp')."""
+    from h2ir.recompute import quadratic
+    ops = {n.op for n in layer.nodes}
+    attention = bool(ops & {"attention", "attention_masked"}) or any(
+        n.op == "softmax" and quadratic(n.outputs[0], seq_len) for n in layer.nodes)
+    parts = [name for name, has in (("attention", attention),
+                                    ("ssm", "selective_scan" in ops),
+                                    ("conv", "depthwise_conv1d" in ops and
+                                     "selective_scan" not in ops)) if has]
+    return "+".join(parts) or "mlp"
+
+
+def layer_variants(graph, costs) -> dict[str, str]:
+    """{layer name: the key its measured times are recorded under}: its kind; where layers of
+    one kind differ (a hybrid's attention, state-space and convolution blocks, Jamba's MoE
+    after either), the kind and its sequence mixer ('transformer_block:ssm'), and its
+    parameter count where they still differ. Each variant is measured on its own."""
+    shape = {l.name: (l.kind, l.params, l.fwd_flops) for l in costs.layers}
+    structures: dict[str, set] = {}
+    for sig in shape.values():
+        structures.setdefault(sig[0], set()).add(sig)
+    seq = int(graph.attrs.get("seq_len", 0) or 0)
+    out = {l.name: l.kind if len(structures[l.kind]) == 1 else
+           f"{l.kind}:{_sequence_mixer(l, seq)}" for l in graph.layers}
+    taken: dict[str, set] = {}
+    for name, key in out.items():
+        taken.setdefault(key, set()).add(shape[name])
+    return {name: key if len(taken[key]) == 1 else f"{key}:{shape[name][1]}"
+            for name, key in out.items()}
+
+
+def measure(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backend: str,
+            seed: int = 0) -> dict:
+    """This model's layer times on `backend`, measured once in this process (`prepare`)."""
+    return prepare(model_path, model_args, micro_batch, seq_len, backend, seed)[0]()
+
+
+def _serve_phases(time_layers, busy) -> None:
+    """A measuring process under `measure_concurrently`: say "ready", then follow the parent's
+    lines on stdin: "time" measures (the result on one stdout line, then "done") and keeps the
+    core busy until the next line ("stop"), so no process of a phase times its last layers
+    beside idle companions; "exit" ends. Between phases it blocks on stdin: idle, as a worker
+    waiting in a bubble."""
+    import select
+    print("ready", flush=True)
+    while True:
+        cmd = sys.stdin.readline().strip()
+        if cmd != "time":
+            return
+        print(json.dumps(time_layers()), flush=True)
+        print("done", flush=True)
+        while not select.select([sys.stdin], [], [], 0)[0]:
+            busy()
         sys.stdin.readline()
 
 
-def _keep_busy(work) -> None:
-    """After timing, keep the core busy (`work`: the largest layer's forward) until the parent
-    says every process is done, so no process times its last layers alone on an idle machine."""
-    if os.environ.get("H2_PROFILE_BARRIER") != "1":
-        return
-    import select
-    print("done", flush=True)
-    while not select.select([sys.stdin], [], [], 0)[0]:
-        work()
+def default_colocation(backends) -> tuple[int, dict]:
+    """(cores, {backend: processes}) when no cluster says how chips share cores (`h2c
+    profile`): this machine's cores, each busy, the backends taking turns (each at least once)."""
+    cores = _cores()
+    n = {b: 0 for b in backends}
+    for i in range(max(cores, len(n))):
+        n[list(n)[i % len(n)]] += 1
+    return cores, n
+
+
+def colocation_of(cluster) -> tuple[int, dict]:
+    """The co-location a cluster's measured chips run under (`Cluster.colocation`); where the
+    cluster says nothing of shared cores, all its measured chips on this machine's cores."""
+    got = cluster.colocation()
+    if got is not None:
+        return got
+    n: dict[str, int] = {}
+    for g in cluster.groups:
+        chip = cluster.chip(g.chip)
+        if chip.measured:
+            n[chip.backend] = n.get(chip.backend, 0) + g.chips
+    return _cores(), n
+
+
+def _processes(backends, colocation) -> tuple[int, list[str]]:
+    """(cores, each measuring process's backend): one per co-located chip, and one for each
+    backend to measure that the co-location lacks."""
+    cores, counts = colocation or default_colocation(backends)
+    workers = [b for b, n in counts.items() for _ in range(n)]
+    return cores, workers + [b for b in dict.fromkeys(backends) if b not in workers]
+
+
+def _usable_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return []
+
+
+def colocation_levels(k: int, cores: int) -> list[int]:
+    """How many processes compute at once in the measurement's phases: alone, as many as the
+    cores (where fewer than k), and all k (the co-location a plan runs with)."""
+    return sorted({1, min(k, cores), k})
+
+
+def phase_groups(workers: list[str], level: int, want) -> list[list[int]]:
+    """The groups of process indices (`workers`: each process's backend) that compute together
+    at `level` processes at once, so that every backend in `want` is timed at that level once:
+    a process of a backend not yet timed, and as companions first the processes of other such
+    backends, then the others in order."""
+    if level >= len(workers):
+        return [list(range(len(workers)))]
+    todo = [b for b in dict.fromkeys(workers) if b in set(want)]
+    groups = []
+    for i, b in enumerate(workers):
+        if b not in todo:
+            continue
+        rest = sorted((j for j in range(len(workers)) if j != i),
+                      key=lambda j: (workers[j] not in todo or workers[j] == b, j))
+        g = [i] + rest[:level - 1]
+        groups.append(g)
+        todo = [x for x in todo if x not in {workers[j] for j in g}]
+    return groups
 
 
 def measure_concurrently(model_path: str, model_args: dict, micro_batch: int, seq_len: int,
-                         backends, workers: int = 0) -> dict:
-    """{backend: layer times}, measured with every core busy as in a real run.
+                         backends, colocation: tuple[int, dict] | None = None,
+                         turn: int = 0) -> dict:
+    """{backend: layer times} measured under the co-location a plan runs with.
 
-    A worker never runs alone: its neighbours share the memory bus and the last-level cache, which
-    slows a CPU worker by 10-25 % here. So one measuring process per core (pinned, one thread
-    each) runs at once, each backend at least once, and as many as the cluster runs workers
-    (`workers`; more workers than cores share them unpinned, as h2x runs its workers then);
-    they start timing together and keep their cores busy until the last is done; copies of a
-    backend are averaged."""
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = [None]
-    jobs = list(backends)
-    while len(jobs) < max(len(cores), workers):
-        jobs.append(jobs[len(jobs) % len(backends)])
+    A worker never runs alone: its neighbours on the host share the memory bus, the last-level
+    cache and, past the cores, the cores themselves. So one measuring process per chip of the
+    busiest set of shared cores (`colocation`: (cores, {backend: chips}), `Cluster.colocation`;
+    by default `default_colocation`) is started, one thread each, pinned where there is a core
+    for each (as h2x pins its workers; round `turn` shifts them `turn` cores on). They load the model once, then measure in phases
+    (`colocation_levels`, `phase_groups`): each backend of `backends` alone, with as many
+    processes as cores, and with all of them at once; a phase's processes start timing
+    together and keep their cores busy until the last is done, the others idle. Each kind's
+    record has its times with all at once (`fwd_s`, `bwd_s`) and at each level (`levels`:
+    {"n": [fwd_s, bwd_s]}); copies of a backend in one phase are averaged."""
+    cores, workers = _processes(backends, colocation)
+    usable = _usable_cores()
+    pinned = bool(usable) and len(workers) <= len(usable)      # h2x pins only so
+    env = dict(os.environ, H2_PROFILE_PHASES="1")
     procs = []
-    env = dict(os.environ, H2_PROFILE_BARRIER="1")
-    for i, b in enumerate(jobs):
-        cmd = [sys.executable, "-m", "frontend.profile", model_path, "--backend", b,
-               "--micro-batch", str(micro_batch), "--seq-len", str(seq_len),
-               "--args", json.dumps(model_args)]
-        if cores[0] is not None and len(jobs) <= len(cores):   # h2x pins only so (threads.py)
-            cmd += ["--core", str(cores[i])]
-        procs.append((b, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env)))
-    results = _run_in_step(procs)
-    got: dict[str, list] = {}
-    for b, (out, err), rc in results:
-        got.setdefault(b, []).append(_child_result(b, out, err, rc))
+    try:
+        for i, b in enumerate(workers):
+            cmd = [sys.executable, "-m", "frontend.profile", model_path, "--backend", b,
+                   "--micro-batch", str(micro_batch), "--seq-len", str(seq_len),
+                   "--args", json.dumps(model_args)]
+            if pinned:
+                # `turn` moves each process to the next core: a plan may put any backend on
+                # any core, and one vCPU of a VM can be slower than another
+                cmd += ["--core", str(usable[(i + turn) % len(usable)])]
+            err = tempfile.TemporaryFile(mode="w+")
+            procs.append((b, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              stderr=err, text=True, env=env), err))
+        for i in range(len(procs)):
+            _expect(procs, i, "ready")
+        got: dict = {}               # (backend, level) -> [result per timed process]
+        for level in colocation_levels(len(workers), cores):
+            for group in phase_groups(workers, level, backends):
+                for i in group:
+                    _tell(procs, i, "time")
+                for i in group:
+                    lines = _expect(procs, i, "done")
+                    got.setdefault((workers[i], level), []).append(
+                        _child_result(workers[i], lines[-1] if lines else "", "", 0))
+                for i in group:
+                    _tell(procs, i, "stop")
+        for i in range(len(procs)):
+            _tell(procs, i, "exit")
+        for _, p, _ in procs:
+            p.wait()
+    finally:
+        for _, p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    k = len(workers)
     res = {}
-    for b, runs in got.items():
+    for b in backends:
         res[b] = {}
-        for kind in runs[0]:
+        for kind in got[(b, k)][0]:
+            runs = got[(b, k)]
             r = dict(runs[0][kind])
             for key in ("fwd_s", "bwd_s"):
                 r[key] = statistics.mean(x[kind][key] for x in runs)
             for key in ("fwd_spread", "bwd_spread"):
-                r[key] = max(x[kind][key] for x in runs)
+                r[key] = max(x[kind][key] for (bb, _), xs in got.items() if bb == b for x in xs)
+            r["levels"] = {str(n): [statistics.mean(x[kind][d] for x in xs)
+                                    for d in ("fwd_s", "bwd_s")]
+                           for (bb, n), xs in sorted(got.items()) if bb == b}
             res[b][kind] = r
     return res
 
 
-def _run_in_step(procs) -> list:
-    """Release the measuring processes together once all are ready, let them go once all are
-    done; (backend, (stdout, stderr), returncode) per process. A process that exits early (an
-    error) releases the others."""
-    lines: dict[int, list] = {i: [] for i in range(len(procs))}
+def _tell(procs, i: int, word: str) -> None:
+    try:
+        procs[i][1].stdin.write(word + "\n")
+        procs[i][1].stdin.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass           # it exited: `_expect` reports why
 
-    def wait_all(word):
-        for i, (_, p) in enumerate(procs):
-            while p.poll() is None or p.stdout.readable():
-                ln = p.stdout.readline()
-                if not ln:
-                    break
-                lines[i].append(ln)
-                if ln.strip() == word:
-                    break
 
-    def tell_all():
-        for _, p in procs:
-            try:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                pass
-    wait_all("ready")
-    tell_all()
-    wait_all("done")
-    tell_all()
-    out = []
-    for i, (b, p) in enumerate(procs):
-        rest, err = p.communicate()
-        text = "".join(ln for ln in lines[i] if ln.strip() not in ("ready", "done")) + rest
-        out.append((b, (text, err), p.returncode))
-    return out
+def _expect(procs, i: int, word: str) -> list[str]:
+    """Read measuring process i's stdout up to the line `word`; the lines before it. A process
+    that ends first reported an error (or crashed): raised here as `_child_result` says."""
+    b, p, err = procs[i]
+    lines = []
+    while True:
+        ln = p.stdout.readline()
+        if not ln:
+            rc = p.wait()
+            err.seek(0)
+            _child_result(b, "".join(lines), err.read(), rc if rc != 0 else 1)
+            raise RuntimeError(f"measuring layer times on {b}: the process stopped early")
+        if ln.strip() == word:
+            return lines
+        lines.append(ln)
 
 
 def _child_result(backend: str, out: str, err: str, rc: int) -> dict:
@@ -365,11 +498,8 @@ def record_spread(layers: dict) -> float:
 
 
 def _cores() -> int:
-    """The cores the measuring processes shared (h2ir.planner.calibration.record_sharing)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The cores the measuring processes shared."""
+    return len(_usable_cores()) or os.cpu_count() or 1
 
 
 def model_digest(model_path: str) -> str:
@@ -378,13 +508,15 @@ def model_digest(model_path: str) -> str:
 
 
 def layer_record_key(model_path: str, model_args: dict, micro_batch: int, seq_len: int,
-                     backend: str, workers: int = 0) -> dict:
+                     backend: str, colocation: tuple[int, dict] | None = None) -> dict:
     """What a layer-time measurement of this model on `backend` is keyed by (one thread, fp32:
-    how every h2x worker on this machine runs; `workers` measuring processes at once, at least
-    one per core)."""
+    how every h2x worker on this machine runs), and the co-location it is measured under
+    (`measure_concurrently`: `workers` processes, by backend, on `cores` shared cores)."""
     key = layer_key(Path(model_path).stem, model_digest(model_path), model_args, micro_batch,
                     seq_len, "fp32", backend, threads=1)
-    key["workers"] = max(int(workers), os.cpu_count() or 1)
+    cores, workers = _processes([backend], colocation)
+    key["workers"] = len(workers)
+    key["colocation"] = colocation_key(cores, {b: workers.count(b) for b in set(workers)})
     return key
 
 
@@ -408,10 +540,23 @@ def _totals(res: dict) -> dict:
     return {b: sum(r["fwd_s"] + r["bwd_s"] for r in layers.values()) for b, layers in res.items()}
 
 
+def _level_totals(res: dict) -> dict:
+    """{(backend, processes at once): forward + backward seconds over its layer kinds}."""
+    out = {}
+    for b, layers in res.items():
+        for r in layers.values():
+            for n, (f, bw) in (r.get("levels") or {}).items():
+                out[(b, n)] = out.get((b, n), 0.0) + f + bw
+    return out
+
+
 def round_difference(a: dict, b: dict) -> float:
-    """The largest relative difference between two rounds' backend totals."""
+    """The largest relative difference between two rounds' backend totals, at every
+    co-location level measured (a slow-down curve is only as good as its points)."""
     ta, tb = _totals(a), _totals(b)
-    return max(abs(ta[k] - tb[k]) / min(ta[k], tb[k]) for k in ta)
+    la, lb = _level_totals(a), _level_totals(b)
+    return max([abs(ta[k] - tb[k]) / min(ta[k], tb[k]) for k in ta] +
+               [abs(la[k] - lb[k]) / min(la[k], lb[k]) for k in la if k in lb])
 
 
 def agreeing_pair(rounds: list[dict], tol: float = ROUND_AGREE) -> tuple[int, int] | None:
@@ -442,6 +587,10 @@ def combine_rounds(rounds: list[dict]) -> dict:
                 rec[key] = float(statistics.median(r[b][kind][key] for r in used))
             for key in ("fwd_spread", "bwd_spread"):
                 rec[key] = max(max(r[b][kind][key] for r in used), between)
+            if rec.get("levels"):
+                rec["levels"] = {n: [float(statistics.median(r[b][kind]["levels"][n][d]
+                                                             for r in used)) for d in (0, 1)]
+                                 for n in rec["levels"]}
             rec["reps"] = max(r[b][kind]["reps"] for r in used)
             rec["rounds"] = len(rounds)
             out[b][kind] = rec
@@ -452,49 +601,89 @@ def measure_rounds(measure_once, rounds: tuple[int, int] | None = None, log=None
     """`measure_once()` ({backend: layer times}) repeated until two rounds agree, at least
     rounds[0] times (two, to compare, unless rounds[1] is 1) and at most rounds[1] times; their
     combination (`combine_rounds`)."""
+    return measure_interleaved({None: measure_once}, rounds, log)[None]
+
+
+def measure_interleaved(measures: dict, rounds: tuple[int, int] | None = None,
+                        log=None) -> dict:
+    """{name: combined rounds} of several measurements ({name: measure_once}), their rounds
+    taken in turn (round 1 of each, then round 2 of each not yet settled, ...), each repeated
+    as `measure_rounds` says: what a machine's slow drift does to one, it does to all, rather
+    than to the one measured last."""
     lo, hi = rounds or rounds_setting()
-    got = [measure_once()]
-    while len(got) < hi and (len(got) < max(lo, 2) or agreeing_pair(got) is None):
-        got.append(measure_once())
-    if log is not None and len(got) > 1:
-        tots = [_totals(r) for r in got]
-        pair = agreeing_pair(got)
-        log("  rounds: " + "; ".join(f"{b} " + " / ".join(f"{t[b] * 1e3:.1f}" for t in tots)
-                                      + " ms" for b in tots[0])
-            + (f" (rounds {pair[0] + 1} and {pair[1] + 1} agree within {ROUND_AGREE:.0%}: "
-               "used)" if pair else f" (no two agree within {ROUND_AGREE:.0%}: the median of "
-               "all, reported noisy)"))
-    return combine_rounds(got)
+    got: dict = {k: [] for k in measures}
+
+    def settled(xs):
+        return len(xs) >= hi or (len(xs) >= max(lo, 2) and agreeing_pair(xs) is not None)
+    while not all(settled(xs) for xs in got.values()):
+        for k, measure_once in measures.items():
+            if not settled(got[k]):
+                got[k].append(measure_once())
+    for k, xs in got.items():
+        if log is not None and len(xs) > 1:
+            tots = [_totals(r) for r in xs]
+            pair = agreeing_pair(xs)
+            log("  rounds" + (f" ({k})" if k is not None else "") + ": " + "; ".join(
+                f"{b} " + " / ".join(f"{t[b] * 1e3:.1f}" for t in tots) + " ms" for b in tots[0])
+                + (f" (rounds {pair[0] + 1} and {pair[1] + 1} agree within {ROUND_AGREE:.0%}: "
+                   "used)" if pair else f" (no two agree within {ROUND_AGREE:.0%}: the median of "
+                   "all, reported noisy)"))
+    return {k: combine_rounds(xs) for k, xs in got.items()}
 
 
 def record(model_path: str, model_args: dict, micro_batch: int, seq_len: int, backends,
-           log=print, workers: int = 0, rounds: tuple[int, int] | None = None) -> list[str]:
-    """Measure each backend's layer times (with `workers` processes at once, at least one per
-    core; in rounds until two agree, `measure_rounds`) and store them in the calibration file as
-    records keyed by the model's content and shapes; returns the records' ids."""
+           log=print, colocation: tuple[int, dict] | None = None,
+           rounds: tuple[int, int] | None = None) -> list[str]:
+    """Measure each backend's layer times under `colocation` ((cores, {backend: chips}) of the
+    cluster's busiest set of shared cores, `measure_concurrently`; in rounds until two agree,
+    `measure_rounds`) and store them in the calibration file as records keyed by the model's
+    content, shapes and co-location; returns the records' ids."""
+    return record_micro_batches(model_path, model_args, [micro_batch], seq_len, backends, log,
+                                colocation, rounds)[micro_batch]
+
+
+def record_micro_batches(model_path: str, model_args: dict, micro_batches, seq_len: int,
+                         backends, log=print, colocation: tuple[int, dict] | None = None,
+                         rounds: tuple[int, int] | None = None) -> dict[int, list[str]]:
+    """`record` at several micro-batches, their rounds taken in turn (`measure_interleaved`),
+    so plans at different micro-batches are priced from measurements of the same minutes;
+    {micro-batch: record ids}."""
     load_model_file(model_path)     # a missing or broken model file is told once, here
-    measured = measure_rounds(lambda: measure_concurrently(model_path, model_args, micro_batch,
-                                                           seq_len, list(backends), workers),
-                              rounds, log)
+    colocation = colocation or default_colocation(backends)
+    turns = {mb: itertools.count() for mb in micro_batches}
+
+    def measure_at(mb):
+        return lambda: measure_concurrently(model_path, model_args, mb, seq_len, list(backends),
+                                            colocation, next(turns[mb]))
+    measured = measure_interleaved({mb: measure_at(mb) for mb in micro_batches}, rounds, log)
     sw = software_versions()
-    ids = []
-    for b in backends:
-        res = measured[b]
-        key = layer_record_key(model_path, model_args, micro_batch, seq_len, b, workers)
-        rec = {"key": key, "host": host_info(), "cores": _cores(), "software": sw,
-               "measured_at": now_str(),
-               "reps": max(r["reps"] for r in res.values()),
-               "rounds": max(r.get("rounds", 1) for r in res.values()),
-               "spread": record_spread(res),
-               "layers": res}
-        store_layer_record(rec)
-        ids.append(record_id(key))
-        for kind, r in res.items():
-            log(f"  {b:6s} {kind:18s} fwd {r['fwd_s'] * 1e3:8.2f} ms (spread {r['fwd_spread']:.1%})"
-                f"  bwd {r['bwd_s'] * 1e3:8.2f} ms (spread {r['bwd_spread']:.1%})"
-                f"  (micro-batch {micro_batch} x {seq_len}, {r['reps']} reps, "
-                f"{r.get('rounds', 1)} round(s))")
-    return ids
+    cores, workers = _processes(backends, colocation)
+    out = {}
+    for mb, res_mb in measured.items():
+        out[mb] = []
+        for b in backends:
+            res = res_mb[b]
+            key = layer_record_key(model_path, model_args, mb, seq_len, b, colocation)
+            rec = {"key": key, "host": host_info(), "cores": _cores(), "software": sw,
+                   "measured_at": now_str(),
+                   "reps": max(r["reps"] for r in res.values()),
+                   "rounds": max(r.get("rounds", 1) for r in res.values()),
+                   "spread": record_spread(res),
+                   "colocation": {**key["colocation"],
+                                  "levels": colocation_levels(len(workers), cores),
+                                  "pinned": 0 < len(workers) <= len(_usable_cores())},
+                   "layers": res}
+            store_layer_record(rec)
+            out[mb].append(record_id(key))
+            for kind, r in res.items():
+                log(f"  {b:6s} {kind:18s} fwd {r['fwd_s'] * 1e3:8.2f} ms (spread "
+                    f"{r['fwd_spread']:.1%})  bwd {r['bwd_s'] * 1e3:8.2f} ms (spread "
+                    f"{r['bwd_spread']:.1%})  (micro-batch {mb} x {seq_len}, {r['reps']} reps, "
+                    f"{r.get('rounds', 1)} round(s))")
+            curve = contention_curve(rec)
+            log(f"  {b:6s} with {len(workers)} processes on {cores} cores, slower than alone by "
+                + ", ".join(f"x{v:.2f} at {n}" for n, v in curve.items()))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,17 +745,18 @@ def profile_main(argv: list[str]) -> int:
 
 
 def _model_layer_times(a, cal: Calibration, backends) -> list[dict]:
-    """One row per (backend, distinct layer kind) of the model: the forward/backward seconds the
-    resource model will use on a single-thread worker of that backend."""
+    """One row per (backend, distinct layer: kind, parameters and FLOPs) of the model: the
+    forward/backward seconds the resource model will use on a single-thread worker of that
+    backend."""
     from frontend.plancli import load_costs
     costs = load_costs(a.model, parse_model_args(a.arg), a.micro_batch, a.seq_len)
     rows, seen = [], set()
     for b in backends:
         flops = cal.matmul_flops(b)
         for l in costs.layers:
-            if (b, l.kind) in seen:
+            if (b, l.kind, l.params, l.fwd_flops) in seen:
                 continue
-            seen.add((b, l.kind))
+            seen.add((b, l.kind, l.params, l.fwd_flops))
             rec = cal.layer_time(b, l, costs.micro_batch, costs.seq_len)
             if rec is not None:
                 f, bw, src = rec[0], rec[1], "recorded layer time"
@@ -590,7 +780,12 @@ def main(argv=None) -> int:
         pin_to_core(a.core)
     # One JSON line on stdout either way: the parent raises the same error (_child_result).
     try:
-        res = measure(a.model, json.loads(a.args), a.micro_batch, a.seq_len, a.backend)
+        time_layers, busy = prepare(a.model, json.loads(a.args), a.micro_batch, a.seq_len,
+                                    a.backend)
+        if os.environ.get("H2_PROFILE_PHASES") == "1":
+            _serve_phases(time_layers, busy)
+            return 0
+        res = time_layers()
     except H2Error as e:
         print(json.dumps({"error": {"message": e.message, "file": e.file, "line": e.line,
                                     "col": e.col, "hint": e.hint}}))

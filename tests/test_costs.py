@@ -123,11 +123,11 @@ def _fake_record(calls):
     from frontend.profile import layer_record_key
     from h2ir.planner.calibration import store_layer_record
 
-    def record(model_path, model_args, mb, seq, backends, log=print, workers=0):
+    def record(model_path, model_args, mb, seq, backends, log=print, colocation=None):
         calls.append(list(backends))
         ids = []
         for b in backends:
-            key = layer_record_key(model_path, model_args, mb, seq, b, workers)
+            key = layer_record_key(model_path, model_args, mb, seq, b, colocation)
             store_layer_record(dict(_rec(backend=b, software=software_versions()), key=key))
             ids.append(record_id(key))
         return ids

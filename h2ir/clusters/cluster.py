@@ -80,6 +80,10 @@ class NodeGroup:
     inter_latency: float = 10e-6       # s
     iface: str | None = None           # network interface h2x workers listen on (None: the one
                                        # that routes to the rendezvous host)
+    # the CPU cores a node's chips share (`Cluster.core_domains`): each node its own host with
+    # `host_cores`, or every node of the group a process set on the machine named `machine`
+    host_cores: int | None = None
+    machine: str | None = None
 
     @property
     def chips(self) -> int:
@@ -98,9 +102,67 @@ class Cluster:
     dtype: str = "bf16"                # training compute dtype the plan is costed for
     source: str | None = field(default=None, compare=False)
     # the chips are processes on one machine with this many CPU cores (this machine's clusters,
-    # the emulated test bed): the simulator shares the cores among workers that compute at
-    # once, and measured layer times are taken as one process per core (None: chips are chips)
+    # the emulated test bed): the simulator slows workers that compute at once on them as
+    # measured (`h2ir.planner.calibration.contention`), or by time sharing past the cores
     shared_cores: int | None = None
+    machines: dict = field(default_factory=dict)     # machine name -> its CPU cores
+
+    @property
+    def shares_cores(self) -> bool:
+        """Some chips share CPU cores (`shared_cores`, a group's `machine` or `host_cores`)."""
+        return bool(self.shared_cores or any(g.machine or g.host_cores for g in self.groups))
+
+    def node_domain(self, node: int):
+        """The set of CPU cores node `node` shares with others, as a hashable key (`domain_cores`
+        gives its cores), or None where the cluster says nothing. Nodes are numbered as
+        `h2ir.schedule.streams.worker_hosts(renumber=False)` numbers them: node groups in file
+        order, node by node. `shared_cores`: one machine holds every node; a group's `machine`:
+        every node of the groups naming it; `host_cores`: each node its own host."""
+        if self.shared_cores:
+            return "machine"
+        for g in self.groups:
+            if node < g.nodes:
+                if g.machine is not None:
+                    return ("machine", g.machine)
+                return ("node", node) if g.host_cores else None
+            node -= g.nodes
+        return None
+
+    def domain_cores(self, key) -> int:
+        if key == "machine":
+            return self.shared_cores
+        if key[0] == "machine":
+            return self.machines[key[1]]
+        return self.group_of_node(key[1]).host_cores
+
+    def group_of_node(self, node: int) -> NodeGroup:
+        for g in self.groups:
+            if node < g.nodes:
+                return g
+            node -= g.nodes
+        raise IndexError(node)
+
+    def colocation(self) -> tuple[int, dict] | None:
+        """(cores, {backend: chips}) of the set of shared cores that holds the most `measured`
+        chips: the co-location their layer times are measured under (frontend/profile.py);
+        None where no measured chips share cores."""
+        sets: list[tuple[int, list]] = []
+        if self.shared_cores:
+            sets.append((self.shared_cores, [(g, g.chips) for g in self.groups]))
+        for name, cores in self.machines.items():
+            sets.append((cores, [(g, g.chips) for g in self.groups if g.machine == name]))
+        sets += [(g.host_cores, [(g, g.chips_per_node)]) for g in self.groups
+                 if g.host_cores and g.machine is None and not self.shared_cores]
+        best = None
+        for cores, members in sets:
+            n: dict[str, int] = {}
+            for g, k in members:
+                if self.chip(g.chip).measured:
+                    b = self.chip(g.chip).backend
+                    n[b] = n.get(b, 0) + k
+            if n and (best is None or sum(n.values()) > sum(best[1].values())):
+                best = (cores, n)
+        return best
 
     def count(self, chip: str) -> int:
         return sum(g.chips for g in self.groups if g.chip == chip)

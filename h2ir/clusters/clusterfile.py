@@ -8,6 +8,8 @@ in short:
     dtype = "bf16"                    # compute dtype plans are costed for (default bf16)
     shared_cores = "auto"             # optional: the chips are processes sharing this many
                                       # CPU cores (a number, or "auto": this machine's)
+    [machines.box]                    # optional: a machine some node groups' chips share
+    cores = 16                        # (a number, or "auto")
 
     [chips.Chip-A]
     base        = "H800"              # catalog entry (h2ir/catalog/chips.toml); optional
@@ -21,6 +23,8 @@ in short:
     intra_bw_gbs   = 200              # chip-to-chip inside a node, GB/s per direction
     nics_per_node  = 4                # chips_per_node / nics_per_node chips share one NIC
     nic_gbps       = 200              # per NIC, Gbit/s (as NICs are sold)
+    host_cores     = 64               # optional: each node is a host whose chips share 64 cores
+    # machine      = "box"            # or: these nodes are processes on [machines.box]
 
 Units in the file are the ones datasheets use (TFLOP/s, GiB, GB/s, Gbit/s, microseconds); the
 `Cluster` holds SI base units (FLOP/s, bytes, B/s, s), as h2ir/clusters/cluster.py documents.
@@ -49,14 +53,14 @@ BUILTIN_DIR = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
 GIB = 2 ** 30
 
-_TOP_KEYS = ("name", "dtype", "chips", "nodes", "shared_cores")
+_TOP_KEYS = ("name", "dtype", "chips", "nodes", "shared_cores", "machines")
 _CHIP_KEYS = ("base", "vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs", "efficiency",
               "price_per_hour", "power_w", "measured", "fused_attention", "mem_reserved_gib",
               "mem_fragmentation")
 _CATALOG_KEYS = tuple(k for k in _CHIP_KEYS if k != "base")
 _REQUIRED_CHIP_KEYS = ("vendor", "backend", "peak_tflops", "mem_gib", "mem_bw_gbs")
 _NODE_KEYS = ("chip", "count", "chips_per_node", "intra_bw_gbs", "nics_per_node", "nic_gbps",
-              "intra_latency_us", "inter_latency_us", "iface")
+              "intra_latency_us", "inter_latency_us", "iface", "host_cores", "machine")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,10 +97,12 @@ def parse_cluster(text: str, file: str = "<string>", default_name: str | None = 
         r.fail((), "missing [[nodes]]: a cluster needs at least one node group")
     if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) for n in nodes):
         r.fail(("nodes",), f"expected one or more [[nodes]] tables, got {_describe(nodes)}")
+    shared = _shared_cores(r, doc)
+    machines = _machines(r, doc, shared)
     groups = []
     total = 0
     for i, node in enumerate(nodes):
-        groups.append(_node_group(r, node, ("nodes", i), chip_types))
+        groups.append(_node_group(r, node, ("nodes", i), chip_types, machines, shared))
         total += groups[-1].nodes * groups[-1].chips_per_node
         if total > MAX_CHIPS:
             r.fail(("nodes", i), f"the cluster has more than {MAX_CHIPS:.0e} chips")
@@ -106,17 +112,26 @@ def parse_cluster(text: str, file: str = "<string>", default_name: str | None = 
             r.fail(("chips", chip_name, "peak_tflops"),
                    f"no peak for the cluster's dtype '{dtype}' (has "
                    f"{', '.join(sorted(chip.peak_flops)) or 'none'}); add peak_tflops.{dtype}")
+    for m in machines:
+        if not any(g.machine == m for g in groups):
+            r.fail(("machines", m), f"no node group runs on machine '{m}' (a [[nodes]] table "
+                   f"says machine = \"{m}\")")
     return Cluster(name=name, chip_types=chip_types, groups=tuple(groups), dtype=dtype,
-                   source=file, shared_cores=_shared_cores(r, doc))
+                   source=file, shared_cores=shared, machines=machines)
 
 
 def _shared_cores(r: "_Reader", doc: dict) -> int | None:
     """`shared_cores = N` or `"auto"` (the cores this process may run on): the cluster's chips
     are processes sharing that many CPU cores."""
-    v = doc.get("shared_cores")
-    if v is None:
+    if "shared_cores" not in doc:
         return None
-    if v == "auto":
+    return _cores(r, doc, ("shared_cores",))
+
+
+def _cores(r: "_Reader", table: dict, path: tuple, auto: bool = True) -> int:
+    """A count of CPU cores: a positive integer or, where `auto`, "auto" (this machine's)."""
+    v = table[path[-1]]
+    if auto and v == "auto":
         # the cores this process may run on; a process pinned to one (an h2x worker) asks the
         # machine instead, so every process of a run reads the same number
         try:
@@ -125,9 +140,31 @@ def _shared_cores(r: "_Reader", doc: dict) -> int | None:
             n = 1
         return n if n > 1 else os.cpu_count() or 1
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        r.fail(("shared_cores",), f"expected a positive number of cores or \"auto\", got "
-               f"{_describe(v)}")
+        r.fail(path, "expected a positive number of cores" + (' or "auto"' if auto else "")
+               + f", got {_describe(v)}")
+    r._at_most(path, v, "cores")
     return v
+
+
+def _machines(r: "_Reader", doc: dict, shared: int | None) -> dict[str, int]:
+    """`[machines.NAME] cores = N | "auto"`: machines whose CPU cores the chips of the node
+    groups naming them (`machine = "NAME"`) share."""
+    tab = r.table(doc, ("machines",), required=False)
+    if not tab:
+        return {}
+    if shared is not None:
+        r.fail(("machines", next(iter(tab))), "shared_cores already puts every chip on one machine; state "
+               "either shared_cores or [machines], not both")
+    out = {}
+    for name, spec in tab.items():
+        path = ("machines", name)
+        if not isinstance(spec, dict):
+            r.fail(path, f"expected a table [machines.{name}], got {_describe(spec)}")
+        r.only_keys(spec, path, ("cores",), "machine field")
+        if "cores" not in spec:
+            r.fail(path + ("cores",), "missing (expected a positive number of cores or \"auto\")")
+        out[name] = _cores(r, spec, path + ("cores",))
+    return out
 
 
 def builtin_clusters() -> list[str]:
@@ -243,7 +280,8 @@ def _make_chip(name: str, f: dict) -> ChipType:
         mem_bytes=int(f["mem_gib"] * GIB), mem_bw=f["mem_bw_gbs"] * 1e9, **extra)
 
 
-def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> NodeGroup:
+def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict, machines: dict,
+                shared: int | None) -> NodeGroup:
     r.only_keys(node, path, _NODE_KEYS, "node field")
     chip = r.string(node, path + ("chip",), required=True)
     if chip not in chip_types:
@@ -275,6 +313,21 @@ def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> Node
             r.fail(path + ("iface",), f"'{iface}' is not a network interface name (1-15 of "
                    "letters, digits and _ . : @ -)")
         kw["iface"] = iface
+    # the cores the group's chips share: one named machine's, or each node's own
+    if ("machine" in node or "host_cores" in node) and shared is not None:
+        key = "machine" if "machine" in node else "host_cores"
+        r.fail(path + (key,), "shared_cores already puts every chip on one machine; drop one")
+    if "machine" in node and "host_cores" in node:
+        r.fail(path + ("host_cores",), "a node group runs on a named machine or on hosts of its "
+               "own (host_cores), not both")
+    if "machine" in node:
+        m = r.string(node, path + ("machine",), required=True)
+        if m not in machines:
+            r.fail(path + ("machine",), f"unknown machine '{m}': not a [machines] table in this "
+                   "file", hint=_suggest(m, machines))
+        kw["machine"] = m
+    if "host_cores" in node:
+        kw["host_cores"] = _cores(r, node, path + ("host_cores",), auto=False)
     return NodeGroup(**kw)
 
 
@@ -284,7 +337,8 @@ def _node_group(r: "_Reader", node: dict, path: tuple, chip_types: dict) -> Node
 _MAX = {"peak_tflops": 1e6, "mem_gib": 1e6, "mem_reserved_gib": 1e6, "mem_bw_gbs": 1e7, "price_per_hour": 1e9,
         "power_w": 1e7, "intra_bw_gbs": 1e7, "nic_gbps": 1e8, "intra_latency_us": 1e9,
         "inter_latency_us": 1e9, "count": 10 ** 9, "chips_per_node": 10 ** 6,
-        "nics_per_node": 10 ** 6}
+        "nics_per_node": 10 ** 6, "shared_cores": 10 ** 6, "cores": 10 ** 6,
+        "host_cores": 10 ** 6}
 MAX_CHIPS = 10 ** 12            # chips in one cluster, all groups together
 
 _UNIT = {"vendor": "a string", "backend": "op library, e.g. \"torch\"",

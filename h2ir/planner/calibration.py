@@ -12,8 +12,18 @@ where, when and with what it was taken, and a record is used only while those st
 
 * backend speeds (`backends[b]`) carry the host, the date and the software versions;
 * measured layer times are *records* keyed by what was measured — the model file's content
-  (SHA-256) and `build_model` arguments, micro-batch, sequence length, dtype, backend, threads —
-  and carry host, date, software versions and the spread of their repetitions.
+  (SHA-256) and `build_model` arguments, micro-batch, sequence length, dtype, backend, threads,
+  and the co-location they were measured under — and carry host, date, software versions and
+  the spread of their repetitions.
+
+Co-location. Workers that share a host's cores slow each other (shared caches, memory
+bandwidth, time slicing past the cores; on accelerator hosts the dispatch cores and PCIe), so a
+record is measured with as many processes at once as the cluster puts on one set of shared
+cores (`Cluster.colocation`), and at fewer: each kind's times at n processes at once
+(`levels`). `contention(curve, n, cores)` reads a record's slow-down at n computing workers
+(`contention_curve`); the simulator applies it to each compute by how many of its host's
+workers compute meanwhile (h2ir/planner/simulate.py), so a pipeline's bubbles let the others
+run faster, as they do.
 
 `problems(record)` says why a record cannot be trusted here: another host (`foreign`), older than
 `MAX_AGE_DAYS` or measured under other torch/numpy versions (`stale`), repetitions that did not
@@ -32,12 +42,21 @@ File: $H2_CALIBRATION, else ~/.cache/h2/calibration.json. Format (JSON, version 
                             "matmul_flops": FLOP/s, "mem_bw": B/s, "opt_bw": B/s, "quick": false,
                             "measured_at": "...", "host": {...}, "software": {...}}, ...},
      "layer_records": {"<id>": {"key": {"model", "model_sha256", "args", "micro_batch",
-                                        "seq_len", "dtype", "backend", "threads"},
+                                        "seq_len", "dtype", "backend", "threads", "workers",
+                                        "colocation": {"cores", "backends": {b: n}}},
                                 "host": {...}, "software": {...}, "measured_at": "...",
                                 "reps": n, "rounds": r, "spread": max relative spread,
+                                "colocation": {"cores", "backends", "levels": [1, ..., k],
+                                               "pinned"},
                                 "layers": {kind: {"fwd_s", "bwd_s", "fwd_flops", "bwd_flops",
                                                   "params", "fwd_spread", "bwd_spread",
-                                                  "layer"}}}}}
+                                                  "layer", "count",
+                                                  "levels": {"n": [fwd_s, bwd_s]}}}}}}
+
+`fwd_s` / `bwd_s` are a kind's times with all k processes at once; `levels` its times with n
+at once (n = 1: alone), `count` how many layers of the kind the model has. A kind's time alone
+is read as `fwd_s` / `bwd_s` over the whole chain's slow-down at k (`contention_curve`): one
+small layer's own ratio is mostly noise.
 
 A version-1 file (layer times keyed only by layer kind, with the model's *name*) is read with its
 backend speeds; its layer times are dropped, and `notes` says so.
@@ -68,33 +87,80 @@ def calibration_path() -> Path:
 
 
 def record_sharing(rec: dict) -> float:
-    """cores / measuring processes of a layer-time record, at most 1: its processes ran at
-    once (frontend/profile.py), so with more of them than cores each got that share of one."""
+    """cores / measuring processes of a layer-time record measured before co-location levels,
+    at most 1: its processes ran at once, so with more of them than cores each got that share
+    of one."""
     cores = rec.get("cores") or (rec.get("host") or {}).get("cpu_count") or 1
     procs = (rec.get("key") or {}).get("workers") or cores
     return min(1.0, cores / procs)
 
 
 def micro_batch_time(by_mb: dict, micro_batch: int):
-    """(fwd_s, bwd_s, sharing) at `micro_batch` from one layer's measurements at several
-    micro-batches ({mb: (fwd_s, bwd_s, sharing)}), or None: the exact one; between two measured
-    micro-batches, linear between the nearest pair (a layer's time is affine in its rows: a fixed
-    per-call part — dispatch, small reductions — plus a per-row part, and a larger micro-batch
-    runs the matmuls at a better rate); outside them, scaled linearly from the nearest (all a
-    single measurement can say)."""
+    """A layer's times at `micro_batch` from its measurements at several micro-batches
+    ({mb: (seconds, ...)}: each entry's times are read alike), or None: the exact one; between
+    two measured micro-batches, linear between the nearest pair (a layer's time is affine in its
+    rows: a fixed per-call part — dispatch, small reductions — plus a per-row part, and a larger
+    micro-batch runs the matmuls at a better rate); outside them, scaled linearly from the
+    nearest (all a single measurement can say)."""
     if not by_mb:
         return None
     if micro_batch in by_mb:
-        return by_mb[micro_batch]
+        return tuple(by_mb[micro_batch])
     lo = max((b for b in by_mb if b < micro_batch), default=None)
     hi = min((b for b in by_mb if b > micro_batch), default=None)
     if lo is not None and hi is not None:
         w = (micro_batch - lo) / (hi - lo)
-        (fl, bl, sl), (fh, bh, sh) = by_mb[lo], by_mb[hi]
-        return fl + w * (fh - fl), bl + w * (bh - bl), min(sl, sh)
+        return tuple(x + w * (y - x) for x, y in zip(by_mb[lo], by_mb[hi]))
     near = lo if hi is None else hi
-    f, b, share = by_mb[near]
-    return f * micro_batch / near, b * micro_batch / near, share
+    return tuple(x * micro_batch / near for x in by_mb[near])
+
+
+def colocation_key(cores: int, backends: dict) -> dict:
+    """How a layer-time record's key states its co-location: `cores` shared by measuring
+    processes of these backends ({backend: processes}, `Cluster.colocation`)."""
+    return {"cores": int(cores), "backends": {b: int(backends[b]) for b in sorted(backends)}}
+
+
+def record_levels(rec: dict) -> dict[int, float]:
+    """{n: seconds of one micro-batch through every layer of the model, forward and backward,
+    with n measuring processes at once} of a layer-time record ({} for one measured without
+    co-location levels)."""
+    out: dict[int, float] = {}
+    layers = rec.get("layers") or {}
+    levels = {int(n) for m in layers.values() for n in (m.get("levels") or {})}
+    for n in levels:
+        if all(str(n) in (m.get("levels") or {}) for m in layers.values()):
+            out[n] = sum(m.get("count", 1) * sum(m["levels"][str(n)]) for m in layers.values())
+    return out
+
+
+def contention_curve(rec: dict) -> dict[int, float]:
+    """{n: how much slower a worker computes with n of its host's workers computing at once
+    than alone} from a record's levels; non-decreasing and at least 1 (a faster figure beside
+    more neighbours is noise). {1: 1.0} for a record without levels."""
+    lv = record_levels(rec)
+    if 1 not in lv or lv[1] <= 0:
+        return {1: 1.0}
+    out, top = {}, 1.0
+    for n in sorted(lv):
+        top = max(top, lv[n] / lv[1])
+        out[n] = top
+    return out
+
+
+def contention(curve: dict, n: float, cores: int) -> float:
+    """The slow-down of a compute overlapped on average by `n` computing workers of its host
+    (itself included) on `cores` shared cores: the measured curve, linear between its points;
+    past the last measured point (m workers), time sharing of the cores on top:
+    curve[m] x max(1, n / max(m, cores)). The curve {1: 1.0} is pure time sharing."""
+    pts = sorted(curve.items())
+    if n <= pts[0][0]:
+        return pts[0][1]
+    for (a, fa), (b, fb) in zip(pts, pts[1:]):
+        if n <= b:
+            return fa + (fb - fa) * (n - a) / (b - a)
+    m, fm = pts[-1]
+    return fm * max(1.0, n / max(m, cores))
 
 
 def host_info() -> dict:
@@ -245,31 +311,51 @@ class Calibration:
         self.selected = frozenset(ids)
         return self
 
-    def usable_records(self, backend: str) -> list[dict]:
-        """Trusted records of `backend` the planner may use, newest first."""
+    def usable_records(self, backend: str, colocation: dict | None = None) -> list[dict]:
+        """Trusted records of `backend` the planner may use, newest first; with `colocation`
+        (`colocation_key`), only those measured under it (or before records said)."""
         out = [r for rid, r in self.records.items()
                if r.get("key", {}).get("backend") == backend and rid not in self.distrusted
-               and (self.selected is None or rid in self.selected)]
+               and (self.selected is None or rid in self.selected)
+               and (colocation is None or r["key"].get("colocation", colocation) == colocation)]
         return sorted(out, key=lambda r: r.get("measured_at", ""), reverse=True)
 
     # -- layer times ---------------------------------------------------------------------------
     def layer_time(self, backend: str, layer, micro_batch: int, seq_len: int,
-                   solo: bool = False):
+                   solo: bool = False, colocation: dict | None = None):
         """(fwd_s, bwd_s) for `layer` (a LayerCost at `micro_batch` x `seq_len`), or None.
 
         From a trusted record of the same layer (kind, parameters, sequence length and FLOPs per
         sample all equal): at a measured micro-batch exactly, else as `micro_batch_time` says
         from the measured ones; hand-given `layer_times` are
-        scaled by their FLOP ratio, else by tokens. `solo`: a record measured with more
-        processes at once than cores is taken at one process per core (its times x cores /
-        processes: `record_sharing`), for a simulator that shares the cores itself."""
-        got = self._layer_time(backend, layer, micro_batch, seq_len)
-        if got is None or not solo:
-            return got[:2] if got else None
-        f, b, share = got
-        return f * share, b * share
+        scaled by their FLOP ratio, else by tokens. Without `solo`, the times with every
+        co-located process computing (the record's co-location). `solo`: the times alone
+        (over the record's slow-down at its co-location), for a simulator that applies the
+        co-location itself (`contention_curve`); a record measured before levels, with more
+        processes at once than cores, is taken at one process per core (x cores / processes:
+        `record_sharing`). `colocation`: only records measured under it (`usable_records`)."""
+        got = self._layer_time(backend, layer, micro_batch, seq_len, colocation)
+        if got is None:
+            return None
+        return got[2:] if solo else got[:2]
 
-    def _layer_time(self, backend: str, layer, micro_batch: int, seq_len: int):
+    def contention_curve(self, backend: str, micro_batch: int, colocation: dict | None = None,
+                         layer=None, seq_len: int | None = None) -> dict[int, float]:
+        """The co-location slow-down curve (`contention_curve`) of the newest trusted record of
+        `backend` measured with levels (under `colocation`, and holding `layer` at `seq_len`,
+        if given: the model's own), at the micro-batch nearest `micro_batch`; {1: 1.0} without
+        one (pure time sharing)."""
+        recs = [r for r in self.usable_records(backend, colocation) if record_levels(r)
+                and (layer is None or (r["key"]["seq_len"] == seq_len and any(
+                    m.get("kind", k) == layer.kind and m.get("params") == layer.params
+                    for k, m in r["layers"].items())))]
+        if not recs:
+            return {1: 1.0}
+        best = min(recs, key=lambda r: abs(r["key"]["micro_batch"] - micro_batch))
+        return contention_curve(best)
+
+    def _layer_time(self, backend: str, layer, micro_batch: int, seq_len: int,
+                    colocation: dict | None = None):
         rec = self.layer_times.get(backend, {}).get(layer.kind)
         if rec:
             if rec.get("fwd_flops") and layer.fwd_flops:
@@ -277,17 +363,33 @@ class Calibration:
                 rb = layer.bwd_flops / rec["bwd_flops"] if rec.get("bwd_flops") else rf
             else:
                 rf = rb = (micro_batch * seq_len) / (rec["micro_batch"] * rec["seq_len"])
-            return rec["fwd_s"] * rf, rec["bwd_s"] * rb, 1.0
-        by_mb: dict[int, tuple] = {}              # micro-batch -> the newest matching record
-        for r in self.usable_records(backend):
-            k, m = r["key"], r["layers"].get(layer.kind)
-            if m is None or k["seq_len"] != seq_len or m.get("params") != layer.params:
+            return rec["fwd_s"] * rf, rec["bwd_s"] * rb, rec["fwd_s"] * rf, rec["bwd_s"] * rb
+        # micro-batch -> (all at once, alone) times of the newest matching record
+        by_mb: dict[int, tuple] = {}
+        for r, m in self._entries(backend, layer.kind, colocation):
+            k = r["key"]
+            if k["seq_len"] != seq_len or m.get("params") != layer.params:
                 continue
             if abs(m["fwd_flops"] * micro_batch / k["micro_batch"] - layer.fwd_flops) > \
                     1e-6 * max(1, layer.fwd_flops):
                 continue
-            by_mb.setdefault(k["micro_batch"], (m["fwd_s"], m["bwd_s"], record_sharing(r)))
+            curve = contention_curve(r)
+            # alone: the co-located times over the record's slow-down at its co-location
+            # (the whole chain's, steadier than one small layer's); a record from before
+            # levels, at one process per core
+            share = 1.0 / curve[max(curve)] if len(curve) > 1 else record_sharing(r)
+            by_mb.setdefault(k["micro_batch"], (m["fwd_s"], m["bwd_s"], m["fwd_s"] * share,
+                                                m["bwd_s"] * share))
         return micro_batch_time(by_mb, micro_batch)
+
+    def _entries(self, backend: str, kind: str, colocation: dict | None = None):
+        """(record, entry) of every trusted record's layer entries of `kind`: one per distinct
+        layer structure of that kind (frontend/profile.py `layer_variants`), keyed by the kind
+        itself where the model has one."""
+        for r in self.usable_records(backend, colocation):
+            for key, m in r["layers"].items():
+                if m.get("kind", key) == kind:
+                    yield r, m
 
     def add_record(self, rec: dict) -> str:
         rid = record_id(rec["key"])
@@ -306,6 +408,14 @@ class Calibration:
         if v not in (1, VERSION):
             raise H2Error(f"calibration file has version {v!r}, expected {VERSION}",
                           file=path, hint="delete it and run `h2c profile`")
+        for key in ("backends", "layer_records", "host"):
+            part = d.get(key, {})
+            inner = part.values() if key != "host" and isinstance(part, dict) else ()
+            if not isinstance(part, dict) or not all(isinstance(r, dict) for r in inner):
+                raise H2Error(f"calibration file: '{key}' is not a JSON object"
+                              + (" of objects" if key != "host" else "")
+                              + f" (got {json.dumps(part)[:40]})", file=path,
+                              hint="delete it and run `h2c profile`")
         cal = cls(backends=dict(d.get("backends", {})), records=dict(d.get("layer_records", {})),
                   created=d.get("created", ""), host=dict(d.get("host", {})), path=path)
         if v == 1:

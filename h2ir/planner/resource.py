@@ -34,6 +34,7 @@ from h2ir.costs import LayerCost, ModelCosts, MoEInfo
 from h2ir.errors import H2Error
 from h2ir.plans.plan import Plan
 from h2ir.planner import alltoall
+from h2ir.planner.calibration import colocation_key
 from h2ir.plans.plan import VIRTUAL_SCHEDULES
 from h2ir.schedule.streams import WorkerLayout, chunk_orders, chunk_stages, worker_hosts
 
@@ -421,6 +422,14 @@ def memory_items(la: LayerArrays, dev: DeviceArrays, a: int, b: int, inflight: i
     return {k: int(v) for k, v in items.items()}
 
 
+def zero_optimizer_bytes(nbytes, dp: int):
+    """A ZeRO-1 replica's optimizer state when zero=0's is `nbytes` (an int, or a float array:
+    the search's per-range tables): Rajbhandari et al. SC'20, Sec. 5.1, P_os, each replica keeps
+    the state of its 1/dp shard of the stage's parameters, rounded up (executor/zero.py: shards
+    differ by at most one element)."""
+    return -(-nbytes // dp)
+
+
 def stage_layer_range(plan: Plan, stage_index: int, names: list[str]) -> tuple[int, int]:
     """The stage's layers as a contiguous index range [a, b) into the model's layer list."""
     st = plan.stages[stage_index]
@@ -474,10 +483,7 @@ def stage_memory(costs: ModelCosts, plan: Plan, cluster: Cluster, stage_index: i
         per_mb = (items["activations"] + items.get("loss", 0)) / inflight
         items["grads"] = int(max(0.0, items["grads"] - per_mb))
     if st.zero and plan.dp > 1:
-        # ZeRO-1 (Rajbhandari et al. SC'20, Sec. 5.1, P_os): a replica keeps the optimizer state
-        # of its 1/dp shard of the stage's parameters (executor/zero.py: shards differ by at
-        # most one element)
-        items["optimizer"] = -(-items["optimizer"] // plan.dp)
+        items["optimizer"] = zero_optimizer_bytes(items["optimizer"], plan.dp)
     copies = tied_copy_bytes(costs, plan, stage_index)
     if copies:     # a copy of a tied parameter: weights and a gradient buffer, no optimizer state
         items["tied_copies"] = int(copies * (la.state.weights + la.state.grads) / st.tp)
@@ -732,14 +738,24 @@ class LinePlacement:
         n = len(ring)
         if n <= 1 or nbytes <= 0:
             return 0.0
-        g = self.cluster.group(self.shapes[j][0])
-        bw, lat = g.intra_bw, g.intra_latency
-        for a, b in zip(ring, ring[1:] + ring[:1]):
-            ha, hb = self.hosts[a], self.hosts[b]
-            if ha != hb:
-                bw = min(bw, self._nic(ha) / self.ring_flows[ha], self._nic(hb) / self.ring_flows[hb])
-                lat = max(lat, g.inter_latency)
-        return ring_allreduce_time(nbytes, n, bw, lat)
+        return ring_allreduce_time(nbytes, n, *self._ring_link(j))
+
+    def _ring_link(self, j: int) -> tuple[float, float]:
+        """(bandwidth, latency) of stage j's slowest ring edge (memoised: the search times
+        many layer ranges of one stage)."""
+        cache = self.__dict__.setdefault("_rings", {})
+        if j not in cache:
+            ring = self.rings[j][0]
+            g = self.cluster.group(self.shapes[j][0])
+            bw, lat = g.intra_bw, g.intra_latency
+            for a, b in zip(ring, ring[1:] + ring[:1]):
+                ha, hb = self.hosts[a], self.hosts[b]
+                if ha != hb:
+                    bw = min(bw, self._nic(ha) / self.ring_flows[ha],
+                             self._nic(hb) / self.ring_flows[hb])
+                    lat = max(lat, g.inter_latency)
+            cache[j] = (bw, lat)
+        return cache[j]
 
     def ep_geometry(self, j: int, ep: int) -> EPGeometry:
         """Stage j's EP groups (`ep_groups`, every TP rank) on this line's hosts: the most
@@ -940,7 +956,29 @@ class ResourceModel:
         if cal is None:
             cal = self._cals[rates.backend] = measured_calibration(rates.backend, self.calibration)
         return cal.layer_time(rates.backend, l, self.costs.micro_batch, self.costs.seq_len,
-                              solo=self.cluster.shared_cores is not None)
+                              solo=self.cluster.shares_cores, colocation=self.colocation)
+
+    @property
+    def colocation(self) -> dict | None:
+        """The co-location measured layer times must have been taken under: the cluster's
+        busiest set of shared cores (`Cluster.colocation`, `calibration.colocation_key`)."""
+        c = self.cluster.colocation()
+        return colocation_key(*c) if c else None
+
+    def contention_curve(self, chip: str) -> dict:
+        """How much slower a worker of `chip` computes with n of its host's workers computing
+        at once ({n: factor}, `h2ir.planner.calibration.contention_curve`): measured with its
+        layer times on `measured` chips; otherwise {1: 1.0}, time sharing past the cores only.
+        The simulator applies it (`simulate._shared_cores_fixed_point`)."""
+        curves = self.__dict__.setdefault("_curves", {})
+        if chip not in curves:
+            r = self.rates(chip)
+            # the curve of the record that times the model's heaviest layer
+            top = max(self.costs.layers, key=lambda l: l.fwd_flops, default=None)
+            curves[chip] = {1: 1.0} if r.source != "measured" else measured_calibration(
+                r.backend, self.calibration).contention_curve(
+                    r.backend, self.costs.micro_batch, self.colocation, top, self.costs.seq_len)
+        return curves[chip]
 
     def layer_times(self, chip: str, tp: int, ep: int = 1, a2a: str = "flat",
                     tp_estimate: bool = True, ep_geo: "EPGeometry | None" = None,
@@ -1111,15 +1149,24 @@ class ResourceModel:
             send_grad = _hockney(self.boundary_bytes(a), place.boundary(j - 1))
         # (expert gradients ring over all dp replicas here, not the dp / ep that hold the
         # same experts: an over-estimate of their share)
-        allreduce = self.dp_allreduce_time(st.chip, st.tp, plan.dp, a, b, ep, place, j)
-        opt = self.opt_step_time(st.chip, st.tp, a, b, ep)
-        rs = ag = 0.0
-        if st.zero and plan.dp > 1:
-            rs, ag = self.zero_collective_times(st.chip, st.tp, plan.dp, a, b, ep, place, j)
-            allreduce, opt = rs + ag, opt / plan.dp
+        allreduce, opt, rs, ag = self.step_end_times(st.chip, st.tp, plan.dp, a, b, ep, st.zero,
+                                                     place, j)
         return StageTimes(fwd_s=f, bwd_s=bw, send_act_s=send_act, send_grad_s=send_grad,
                           dp_allreduce_s=allreduce, opt_step_s=opt,
                           tied_s=self.tied_time(plan, j), reduce_scatter_s=rs, all_gather_s=ag)
+
+    def step_end_times(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1,
+                       zero: int = 0, placement: LinePlacement | None = None,
+                       stage: int = 0) -> tuple[float, float, float, float]:
+        """(gradient all-reduce, optimizer step, reduce-scatter, all-gather) at the end of a
+        step of a stage of layers [a, b); under ZeRO-1 (`zero`, dp > 1) the all-reduce is its
+        two halves (`zero_collective_times`) and the optimizer step updates 1/dp of the
+        parameters. The search's bound charges the same (`StageLine.tail_of`)."""
+        opt = self.opt_step_time(chip, tp, a, b, ep)
+        if not (zero and dp > 1):
+            return self.dp_allreduce_time(chip, tp, dp, a, b, ep, placement, stage), opt, 0.0, 0.0
+        rs, ag = self.zero_collective_times(chip, tp, dp, a, b, ep, placement, stage)
+        return rs + ag, opt / dp, rs, ag
 
     def zero_collective_times(self, chip: str, tp: int, dp: int, a: int, b: int, ep: int = 1,
                               placement: LinePlacement | None = None,
