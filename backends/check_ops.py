@@ -38,11 +38,12 @@ import torch.nn.functional as F
 from h2ir import opset
 from h2ir.errors import SEED_MAX, H2Error, int_flag
 from h2ir.opset import Group
-from h2ir.types import DTYPE_TABLE, TensorType, dtype_of_host
+from h2ir.types import DTYPE_TABLE, FLOAT_DTYPES, TensorType, dtype_of_host
 
 aten = torch.ops.aten
 
-# dtype -> (atol, rtol). fp32 is DIOPI's (atol = rtol = 1e-5). bf16/f16 take torch.testing's
+# float dtype (h2ir.types.FLOAT_DTYPES) -> (atol, rtol); integer and bool results match exactly.
+# fp32 is DIOPI's (atol = rtol = 1e-5). bf16/f16 take torch.testing's
 # default rtol for the dtype (1.6e-2, 1e-3) with atol raised to the same order: kernels on those
 # chips accumulate in f32 but round every result, so an O(1) result that cancels to ~0 keeps
 # about one ulp of 1.0 (2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for f16) as absolute error.
@@ -50,7 +51,6 @@ aten = torch.ops.aten
 # reductions over a few thousand terms and NumPy's own erf.
 TOLERANCE = {"f64": (1e-10, 1e-10), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-3),
              "bf16": (1e-2, 1.6e-2)}
-FLOAT_DTYPES = tuple(TOLERANCE)
 EXCLUDED_GROUPS = (Group.COMM, Group.MOE)      # executed by the runtime and DiComm
 
 

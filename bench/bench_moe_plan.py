@@ -44,7 +44,8 @@ from h2ir.errors import H2Error  # noqa: E402
 from h2ir.plans.dsl import format_plan  # noqa: E402
 from h2ir.planner.resource import (ResourceModel, analytic_moe_costs, device_capacity,  # noqa: E402
                                    stage_memory)
-from h2ir.planner.search import PlanSpace, divisors, search  # noqa: E402
+from h2ir.planner.divisors import divisors  # noqa: E402
+from h2ir.planner.search import PlanSpace, search  # noqa: E402
 from h2ir.planner.simulate import simulate  # noqa: E402
 from h2ir.planner.validate import validate_plan  # noqa: E402
 

@@ -91,7 +91,7 @@ def megatron_layout(model: str, chip: str, n: int, gb: int, tp: int, pp: int) ->
     """The planner's prediction for a fixed Megatron-style layout: tp x pp x dp = n, the blocks
     split evenly (embedding first, head last), full recomputation where a stage does not fit."""
     from h2ir.planner.resource import stage_memory
-    from h2ir.planner.search import _uniform_bounds
+    from h2ir.planner.search.uniform import uniform_bounds as _uniform_bounds
     from h2ir.planner.simulate import simulate
     from h2ir.plans.plan import Plan, StagePlan
     L, d, h, f = MODELS[model]

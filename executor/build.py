@@ -32,7 +32,7 @@ from h2ir.errors import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MA
 from h2ir.plans.plan import SCHEDULES
 from h2ir.schedule.streams import parse_stream
 from h2ir.text import MAX_H2IR_BYTES, parse_graph
-from h2ir.types import TensorType, dtype_of_host
+from h2ir.types import DTYPE_POLICIES, TensorType, dtype_of_host
 
 SUPPORTED_FORMATS = ("h2-build/1",)
 DIGESTS = "digests.json"                # frontend/compiler.py write_digests
@@ -358,7 +358,6 @@ class _ManifestCheck:
                 self.fail(f"stages[{i}].device", f"expected cpu, cuda or cuda:N (or null), got "
                           f"{_show(st['device'])}", hint=RECOMPILE)
             if "dtype_policy" in st:
-                from backends.torch.ops import DTYPE_POLICIES
                 if st["dtype_policy"] not in DTYPE_POLICIES:
                     self.fail(f"stages[{i}].dtype_policy", f"expected one of "
                               f"{', '.join(DTYPE_POLICIES)}, got {_show(st['dtype_policy'])}",

@@ -18,7 +18,6 @@ from h2ir.errors import H2Error, float_flag, int_flag, run_subcommand
 MAX_STEPS = 10 ** 12            # steps are counted in float64 status slots: exact below 2**53
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: a longer communication timeout is a typo
 MAX_DATA_BYTES = 1 << 40        # of text; one file is memory-mapped, a directory's are read
-TRAIN_DEVICES = ("cpu", "cuda")  # the torch device types a torch stage trains on (ROCm: cuda)
 
 SUBCOMMANDS = {
     "run": "executor.cli:run_main",
@@ -141,12 +140,12 @@ def check_devices(device: str | None, device_map: str | None, num_workers: int) 
     """run.device and every device of run.device_map: a type a torch stage trains on, with a
     numeric index if any, refused before any worker starts (whether this host has the CUDA
     device is the worker's check: it is the process that takes it)."""
-    from h2ir.schedule.devices import parse_device_map
+    from h2ir.schedule.devices import DEVICE_TYPES, parse_device_map
     named = [("--device", device)] if device else []
     named += [("--device-map", d) for d in parse_device_map(device_map, num_workers)[0].values()]
     for flag, dev in named:
         kind, colon, index = str(dev).partition(":")
-        if kind not in TRAIN_DEVICES or (colon and not index.isdigit()):
+        if kind not in DEVICE_TYPES or (colon and not index.isdigit()):
             why = "meta tensors have shapes but no data" if kind == "meta" else \
                 "not a device a torch stage trains on"
             raise H2Error(f"{flag} {dev!r}: {why}; expected cpu, cuda or cuda:N",

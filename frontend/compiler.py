@@ -58,6 +58,7 @@ from h2ir.schedule.grid import format_grid
 from h2ir.schedule.streams import (SPLIT_SCHEDULES, build_streams, format_stream,
                                    tied_stage_groups, worker_hosts)
 from h2ir.text import print_graph
+from h2ir.types import TRAIN_DTYPES
 
 FORMAT = "h2-build/1"
 
@@ -357,7 +358,8 @@ def _write_stages(out: Path, progs, plan, cluster, dry_run: bool, log) -> list[d
     stages_meta = []
     for p, st in zip(progs, plan.stages):
         chip = cluster.chip(st.chip)
-        policy = "bf16" if cluster.dtype == "bf16" and chip.backend != "numpy" else "fp32"
+        train = TRAIN_DTYPES.get(cluster.dtype)
+        policy = cluster.dtype if train and train.policy and chip.backend != "numpy" else "fp32"
         if cluster.dtype in ("bf16", "fp16") and chip.backend == "numpy":
             log(f"warning: stage {p.index} runs on numpy, which computes in fp32 "
                 f"(cluster dtype {cluster.dtype})")

@@ -43,6 +43,33 @@ FLOAT_DTYPES = tuple(n for n, d in DTYPE_TABLE.items() if d.is_float)
 _BY_HOST = {d.host_dtype: n for n, d in DTYPE_TABLE.items()}
 
 
+@dataclass(frozen=True)
+class TrainDType:
+    """A training dtype as cluster files, the planner and a stage's dtype policy name it
+    (`fp32`, `bf16`, ...): the h2ir dtype that holds its values, and whether a stage trains in
+    it (`policy`: a build's `dtype_policy`) or the planner only costs it."""
+    name: str
+    storage: str | None        # its DTYPE_TABLE row; None: h2ir has no such dtype
+    policy: bool = False
+    itemsize: int = 0          # bytes per element; only given where `storage` is None
+
+    def __post_init__(self):
+        if self.storage is not None:
+            object.__setattr__(self, "itemsize", DTYPE_TABLE[self.storage].itemsize)
+
+
+# The one table of training dtypes. The resource model charges `itemsize` bytes per weight and
+# activation element; compile gives a stage the cluster's dtype as its policy where `policy`.
+TRAIN_DTYPES: dict[str, TrainDType] = {t.name: t for t in (
+    TrainDType("fp32", "f32", policy=True),
+    TrainDType("tf32", "f32"),                 # f32 values, TF32 tensor-core matmuls
+    TrainDType("bf16", "bf16", policy=True),
+    TrainDType("fp16", "f16"),                 # executing it needs dynamic loss scaling
+    TrainDType("fp8", None, itemsize=1),
+)}
+DTYPE_POLICIES = tuple(n for n, t in TRAIN_DTYPES.items() if t.policy)
+
+
 def host_dtype(name: str) -> np.dtype:
     """The numpy dtype that holds an h2ir `name` value on the host (bf16 -> uint16 bits)."""
     return DTYPE_TABLE[name].host_dtype

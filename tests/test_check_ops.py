@@ -14,6 +14,7 @@ from backends.torch import ops as torch_ops
 from backends.torch.runtime import TorchBackend
 from h2ir import opset
 from h2ir.errors import H2Error
+from h2ir.types import FLOAT_DTYPES
 
 # the op set minus what the runtime executes (COMM: send/recv/collectives, MOE: dispatch/combine)
 KERNEL_OPS = [n for n, d in opset.OPS.items() if d.group.value not in ("comm", "moe")]
@@ -23,6 +24,11 @@ def test_every_kernel_op_has_an_input_spec_and_a_reference():
     assert checked_ops() == KERNEL_OPS
     assert set(SPECS) == set(KERNEL_OPS)
     assert set(REFERENCE) == set(KERNEL_OPS)
+
+
+def test_every_float_dtype_has_a_tolerance():
+    # integer and bool results match exactly; a float dtype without a row would be held to that
+    assert set(check_ops.TOLERANCE) == set(FLOAT_DTYPES)
 
 
 def test_both_op_libraries_implement_every_checked_op():

@@ -1266,7 +1266,7 @@ def test_2gib_data_file_reads_a_bounded_prefix(tmp_path, max_bytes):
 
 
 def test_divisors_by_factoring():
-    from h2ir.planner.search import divisors
+    from h2ir.planner.divisors import divisors
     for n in (1, 2, 12, 97, 360, 1024, 9973 * 2):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
     # CPU time of this process (not wall time: other jobs on the machine do not move it); a

@@ -58,6 +58,18 @@ def test_state_bytes_follow_zero_and_the_fp32_accounting():
     assert fp32.total == 16                             # plus the live gradient buffer
 
 
+def test_training_dtypes_are_sized_by_the_ir_dtype_table():
+    from h2ir.planner.resource import dtype_bytes
+    from h2ir.types import DTYPE_POLICIES, DTYPE_TABLE, TRAIN_DTYPES
+    assert {n: dtype_bytes(n) for n in TRAIN_DTYPES} == \
+        {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+    assert all(t.itemsize == DTYPE_TABLE[t.storage].itemsize
+               for t in TRAIN_DTYPES.values() if t.storage)
+    assert DTYPE_POLICIES == ("fp32", "bf16")          # the dtypes a stage trains in
+    with pytest.raises(H2Error, match="unknown training dtype 'f32'.*fp32, tf32, bf16"):
+        dtype_bytes("f32")
+
+
 def test_analytic_100b_has_the_h2_parameter_count():
     c = analytic_llama_costs("llama_100b", 96, 8192, 64, 36864, 32000, 4096)
     assert len(c.layers) == 98

@@ -10,8 +10,10 @@ from h2ir.clusters.cluster import ChipType, Cluster, NodeGroup
 from h2ir.costs import MoEInfo
 from h2ir.errors import H2Error
 from h2ir.planner.resource import ResourceModel, analytic_llama_costs, stage_memory
-from h2ir.planner.search import (REL_TOL, Config, PlanSpace, StageLine, _configs, chip_counts,
-                                 hetero_speedup, memory_orders, search, share_batch, uniform_plan)
+from h2ir.planner.limits import REL_TOL
+from h2ir.planner.search import (Config, PlanSpace, StageLine, chip_counts, hetero_speedup,
+                                 memory_orders, search, share_batch, uniform_plan)
+from h2ir.planner.search.space import tp_configurations
 from h2ir.planner.validate import validate_plan
 
 GiB = 2 ** 30
@@ -115,7 +117,7 @@ def test_dfs_finds_the_estimate_optimum_of_each_line():
     checked = 0
     for seed in range(40):
         costs, cluster, gb = random_instance(seed)
-        cfgs, counts = _configs(costs, cluster, gb, [1], "1f1b")
+        cfgs, counts = tp_configurations(costs, cluster, gb, [1], "1f1b")
         for mb, dp, m, tps in cfgs[:2]:
             rm = ResourceModel(costs, cluster, mb, costs.seq_len)
             for order in memory_orders(cluster, list(counts))[:2]:
@@ -408,7 +410,7 @@ def test_time_limit_returns_the_best_plan_so_far():
 def test_exact_is_derived_from_the_bounds_and_cannot_claim_more(monkeypatch):
     """`exact` is true only when nothing left unsimulated has a bound below the chosen plan;
     a search cut short by its simulation budget says what it proved instead."""
-    import h2ir.planner.search as heteroauto
+    import h2ir.planner.search.best_first as heteroauto
     costs, cluster, gb = random_instance(5)
     with monkeypatch.context() as mp:
         mp.setattr(heteroauto, "SIM_WORK_MIN", 10 ** 12)     # no budget: run to the bound

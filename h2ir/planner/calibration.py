@@ -3,7 +3,7 @@
 Nothing here measures. Backends measure themselves (`backends/calibrate.py`: single-thread fp32
 matmul FLOP/s at a few sizes and copy bandwidth, per backend), the frontend measures a model's
 layer programs (`frontend/profile.py`), and both write this file. The resource model
-(`h2ir/planner/resource.py`) reads a `Calibration` value passed in for chips marked `measured`
+(`h2ir/planner/resource/`) reads a `Calibration` value passed in for chips marked `measured`
 (the local CPU clusters) instead of catalog peaks; a measured chip without one is an error, so a
 plan for a local cluster never rests on made-up figures.
 
@@ -214,30 +214,8 @@ def problems(rec: dict, *, host: dict | None = None, software: dict | None = Non
     """Why `rec` (a backend-speed or layer-time record) cannot be trusted on this host now; []
     when it can. `software` is the running torch/numpy versions (the backends layer knows them);
     None skips that check."""
-    out = []
-    host = host if host is not None else host_info()
-    theirs = rec.get("host") or {}
-    diff = [k for k in _HOST_KEYS if k in theirs and theirs.get(k) != host.get(k)]
-    if theirs.get("boot_id") and theirs.get("boot_id") == host.get("boot_id"):
-        diff = [k for k in diff if k != "node"]     # same kernel: another namespace's hostname
-    if not theirs:
-        out.append("foreign: it records no host")
-    elif diff:
-        out.append("foreign: measured on another host (" + ", ".join(
-            f"{k} {theirs.get(k)!r} here {host.get(k)!r}" for k in diff) + ")")
-    at = rec.get("measured_at")
-    try:
-        when = _dt.datetime.strptime(at, TIME_FORMAT) if at else None
-    except (TypeError, ValueError):
-        when = None
-    if when is None:
-        out.append("stale: it records no date")
-    else:
-        age = ((now or _dt.datetime.now()) - when).total_seconds() / 86400
-        if age > max_age_days:
-            out.append(f"stale: measured {age:.0f} days ago (bound {max_age_days:g})")
-        elif age < -1:
-            out.append(f"stale: dated {at}, in the future")
+    out = _foreign(rec, host if host is not None else host_info())
+    out += _stale(rec, now, max_age_days)
     if software is not None:
         sw = rec.get("software") or {}
         changed = [k for k in software if sw.get(k) != software[k]]
@@ -247,6 +225,37 @@ def problems(rec: dict, *, host: dict | None = None, software: dict | None = Non
     if rec.get("spread") is not None and rec["spread"] > MAX_SPREAD:
         out.append(f"noisy: repetitions spread {rec['spread']:.0%} (bound {MAX_SPREAD:.0%})")
     return out
+
+
+def _foreign(rec: dict, host: dict) -> list[str]:
+    """`problems` of a record measured on another host (or on none it names)."""
+    theirs = rec.get("host") or {}
+    diff = [k for k in _HOST_KEYS if k in theirs and theirs.get(k) != host.get(k)]
+    if theirs.get("boot_id") and theirs.get("boot_id") == host.get("boot_id"):
+        diff = [k for k in diff if k != "node"]     # same kernel: another namespace's hostname
+    if not theirs:
+        return ["foreign: it records no host"]
+    if diff:
+        return ["foreign: measured on another host (" + ", ".join(
+            f"{k} {theirs.get(k)!r} here {host.get(k)!r}" for k in diff) + ")"]
+    return []
+
+
+def _stale(rec: dict, now: _dt.datetime | None, max_age_days: float) -> list[str]:
+    """`problems` of a record without a date, older than `max_age_days`, or from the future."""
+    at = rec.get("measured_at")
+    try:
+        when = _dt.datetime.strptime(at, TIME_FORMAT) if at else None
+    except (TypeError, ValueError):
+        when = None
+    if when is None:
+        return ["stale: it records no date"]
+    age = ((now or _dt.datetime.now()) - when).total_seconds() / 86400
+    if age > max_age_days:
+        return [f"stale: measured {age:.0f} days ago (bound {max_age_days:g})"]
+    if age < -1:
+        return [f"stale: dated {at}, in the future"]
+    return []
 
 
 @dataclass

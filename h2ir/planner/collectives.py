@@ -150,21 +150,8 @@ def build_groups(streams: dict, members: list[Member], setting: str, cluster=Non
     for w, instrs in streams.items():
         stage = members[w].stage
         for ins in instrs:
-            if ins.op == "all_reduce" and ins.group and len(ins.group) > 1:
-                found[("dp", tuple(ins.group))] = stage
-                if ins.ep:              # the expert gradients' sub-groups (executor/worker.py)
-                    ep = ins.ep[0]
-                    for r in range(ep):
-                        sub = tuple(g for i, g in enumerate(ins.group) if i % ep == r)
-                        if len(sub) > 1:
-                            found[("dp", sub)] = stage
-            elif ins.op in ("fwd", "bwd", "bwd_input", "bwd_weight"):
-                if ins.group and len(ins.group) > 1:
-                    found[("tp", tuple(ins.group))] = stage
-                if ins.ep and len(ins.ep) > 1:
-                    found[("ep", tuple(ins.ep))] = stage
-            elif ins.op in ("send_act", "send_grad") and ins.peer is not None and ins.peer != w:
-                found[("p2p", (w, ins.peer))] = min(stage, members[ins.peer].stage)
+            for key in _groups_of(ins, w):
+                found[key] = min(stage, members[ins.peer].stage) if key[0] == "p2p" else stage
     out = []
     for (kind, ws), stage in sorted(found.items()):
         if kind == "p2p" and virtual:
@@ -174,6 +161,25 @@ def build_groups(streams: dict, members: list[Member], setting: str, cluster=Non
         nbytes = volumes.get((kind, stage), 1 << 20)
         via, lib, why = choose(setting, kind, [members[w] for w in ws], nbytes, cluster)
         out.append(CommGroup(kind, ws, via, lib, why))
+    return out
+
+
+def _groups_of(ins, w: int) -> list[tuple]:
+    """(kind, workers) of every group instruction `ins` of worker w communicates in."""
+    out = []
+    if ins.op == "all_reduce" and ins.group and len(ins.group) > 1:
+        out.append(("dp", tuple(ins.group)))
+        if ins.ep:              # the expert gradients' sub-groups (executor/worker.py)
+            ep = ins.ep[0]
+            subs = (tuple(g for i, g in enumerate(ins.group) if i % ep == r) for r in range(ep))
+            out += [("dp", sub) for sub in subs if len(sub) > 1]
+    elif ins.op in ("fwd", "bwd", "bwd_input", "bwd_weight"):
+        if ins.group and len(ins.group) > 1:
+            out.append(("tp", tuple(ins.group)))
+        if ins.ep and len(ins.ep) > 1:
+            out.append(("ep", tuple(ins.ep)))
+    elif ins.op in ("send_act", "send_grad") and ins.peer is not None and ins.peer != w:
+        out.append(("p2p", (w, ins.peer)))
     return out
 
 

@@ -3,7 +3,7 @@
 The simulator is the second interpreter of the streams the executor runs: `SimulatedWorker`
 subclasses `h2ir.schedule.interpret.StreamInterpreter` as the executor's `Worker` does, and
 differs only in what executing one instruction means: here, advancing a worker's clock by the
-resource model's duration (`h2ir/planner/resource.py`). `h2x run` and `h2c compile` pass it the
+resource model's duration (`h2ir/planner/resource/`). `h2x run` and `h2c compile` pass it the
 stream files of a build; `h2c plan` and the search let it build the plan's streams.
 
 - `fwd` / `bwd` occupy the worker's compute lane for the stage's per-micro-batch time.
@@ -35,6 +35,7 @@ import numpy as np
 from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import H2Error
+from h2ir.opset import comm_volume
 from h2ir.plans.plan import Plan
 from h2ir.planner.calibration import contention
 from h2ir.planner.resource import MemoryBreakdown, ResourceModel, StageTimes, stage_memory
@@ -403,46 +404,29 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     zero-bubble schedule's bwd_input / bwd_weight; without it a split stage is timed 50/50."""
     _check_batch(plan)
     rm = resource or ResourceModel(costs, cluster, plan.micro_batch, plan.seq_len, calibration)
-    S, m = plan.num_stages, plan.num_microbatches
     lay = plan_layout(plan)
     if one_rank and streams is None and symmetric and not plan.is_virtual:
         lay = _one_rank_layout(plan)
-    program_comm = program_comm or {}
-    times = [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
-             for j in range(S)]
+    times = _stage_times(rm, plan, program_comm or {})
     ties = tied_stage_groups(costs.ties, [list(s.layers) for s in plan.stages])
     if streams is None:
-        streams = build_streams(plan.schedule, S, m, min(plan.dp, 2) if symmetric else plan.dp,
-                                ties=ties, tp=None if plan.is_virtual else lay.tps,
-                                virtual=plan.virtual, zero=[st.zero for st in plan.stages],
-                                durations=chunk_durations(times, b_fractions or {}))
+        streams = _plan_streams(plan, lay, times, ties, symmetric, b_fractions or {})
         if symmetric:
             workers = workers or list(range(lay.per_replica))
     workers = sorted(workers if workers is not None else streams)
-    for w in workers:
-        if w not in streams:
-            raise H2Error(f"no instruction stream for worker w{w}")
-        if w >= lay.num_workers:
-            raise H2Error(f"worker w{w} is outside the plan's {lay.num_workers} workers "
-                          f"({plan.dp} replicas of {S} stages, tp {list(lay.tps)})")
+    _check_workers(plan, lay, streams, workers)
     stage_of = {w: lay.where(w)[1] for w in workers}
     simulated = set(workers)
     tl = Timeline(record=record)
     fr = b_fractions or {}
     groups = plan_chunks(plan)
 
-    def chunks_of(w):
-        if not plan.is_virtual:
-            return None
-        r = lay.where(w)[0]
-        vs = groups[stage_of[w]]
-        return Chunks(vs, [times[v] for v in vs], [fr.get(v, 0.5) for v in vs],
-                      {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g}, ties)
-
     def run_once(stretch: dict, computes: list | None):
         tl = Timeline(record=record, stretch=stretch, computes=computes)
         sims = [SimulatedWorker(w, streams[w], times[groups[stage_of[w]][0]], tl, simulated,
-                                fr.get(stage_of[w], 0.5), chunks_of(w)) for w in workers]
+                                fr.get(stage_of[w], 0.5),
+                                _chunks_of(plan, lay, groups, times, fr, ties, w, stage_of[w]))
+                for w in workers]
         return tl, sims, run_streams(sims)
 
     sharing = core_sharing(plan, cluster, rm, lay, workers)
@@ -451,31 +435,86 @@ def simulate(costs: ModelCosts, plan: Plan, cluster: Cluster, calibration=None, 
     else:
         tl, sims, step = run_once({}, None)
 
+    return _result(plan, cluster, rm, lay, workers, stage_of, groups, times, tl, sims, step)
+
+
+def _stage_times(rm: ResourceModel, plan: Plan, program_comm: dict) -> list[StageTimes]:
+    """Each stage's times; a TP stage's by its compiled programs' collectives when given."""
+    return [rm.stage_times(plan, j, program_comm.get(j) if plan.stages[j].tp > 1 else None)
+            for j in range(plan.num_stages)]
+
+
+def _plan_streams(plan: Plan, lay: WorkerLayout, times, ties, symmetric: bool,
+                  b_fractions: dict) -> dict:
+    """The plan's instruction streams (two replicas stand for all when `symmetric`)."""
+    return build_streams(plan.schedule, plan.num_stages, plan.num_microbatches,
+                         min(plan.dp, 2) if symmetric else plan.dp,
+                         ties=ties, tp=None if plan.is_virtual else lay.tps,
+                         virtual=plan.virtual, zero=[st.zero for st in plan.stages],
+                         durations=chunk_durations(times, b_fractions))
+
+
+def _result(plan: Plan, cluster: Cluster, rm: ResourceModel, lay: WorkerLayout, workers, stage_of,
+            groups, times, tl, sims, step: float) -> SimResult:
+    """The step's figures from the simulated workers: bubble, peak memory per stage, MFU."""
     flush = max(s.last_bwd_end for s in sims)
     busy_total = sum(s.busy for s in sims)
     bubble = 1.0 - busy_total / (len(sims) * flush) if flush > 0 else 0.0
-    peak_of: dict[int, int] = {}        # stage -> most micro-batches in flight on it
-    for sw in sims:
-        if plan.is_virtual:             # each chunk is a stage
-            pairs = [(v, sw.chunk_peak.get(c, 0)) for c, v in enumerate(groups[stage_of[sw.wid]])]
-        else:
-            pairs = [(stage_of[sw.wid], sw.inflight_peak)]
-        for j, n in pairs:
-            peak_of[j] = max(peak_of.get(j, 0), n)
-    mem = [stage_memory(rm.costs, plan, cluster, j, inflight=peak_of.get(j, 0)) for j in range(S)]
+    peak_of = _stage_peaks(plan, sims, groups, stage_of)
+    mem = [stage_memory(rm.costs, plan, cluster, j, inflight=peak_of.get(j, 0))
+           for j in range(plan.num_stages)]
     return SimResult(step_time_s=step, bubble_fraction=bubble, flush_time_s=flush, stage_times=times,
                      stage_memory=mem, inflight_peak={s.wid: s.inflight_peak for s in sims},
                      busy_s={s.wid: s.busy for s in sims},
                      tokens_per_s=plan.global_batch * plan.seq_len / step,
                      mfu=_mfu(rm, plan, step), events=tl.events,
-                     worker_names={w: (_worker_name(plan, w) if lay.tps == plan_layout(plan).tps
-                                       else f"w{w} stage {stage_of[w]} {plan.stages[stage_of[w]].chip} "
-                                       f"tp rank 0 of {plan.stages[stage_of[w]].tp}")
-                                   for w in workers},
+                     worker_names=_worker_names(plan, lay, workers, stage_of),
                      stage_of=stage_of, chunk_groups=groups if plan.is_virtual else None,
                      estimated_layers=[l for st in plan.stages for l in st.layers
                                        if (st.chip, l) in rm.estimated],
                      planned_layers=sum(len(st.layers) for st in plan.stages))
+
+
+def _check_workers(plan: Plan, lay: WorkerLayout, streams: dict, workers: list[int]):
+    """Every worker to simulate has a stream and is one of the plan's workers."""
+    for w in workers:
+        if w not in streams:
+            raise H2Error(f"no instruction stream for worker w{w}")
+        if w >= lay.num_workers:
+            raise H2Error(f"worker w{w} is outside the plan's {lay.num_workers} workers "
+                          f"({plan.dp} replicas of {plan.num_stages} stages, tp {list(lay.tps)})")
+
+
+def _chunks_of(plan: Plan, lay: WorkerLayout, groups, times, fr: dict, ties, w: int, stage: int):
+    """Worker w's chunks under a virtual-stage schedule (None otherwise)."""
+    if not plan.is_virtual:
+        return None
+    r = lay.where(w)[0]
+    vs = groups[stage]
+    return Chunks(vs, [times[v] for v in vs], [fr.get(v, 0.5) for v in vs],
+                  {v: lay.wid(r, q) for q, g in enumerate(groups) for v in g}, ties)
+
+
+def _stage_peaks(plan: Plan, sims, groups, stage_of: dict) -> dict[int, int]:
+    """Stage -> the most micro-batches in flight on it (each chunk is a stage when virtual)."""
+    peak_of: dict[int, int] = {}
+    for sw in sims:
+        if plan.is_virtual:
+            pairs = [(v, sw.chunk_peak.get(c, 0)) for c, v in enumerate(groups[stage_of[sw.wid]])]
+        else:
+            pairs = [(stage_of[sw.wid], sw.inflight_peak)]
+        for j, n in pairs:
+            peak_of[j] = max(peak_of.get(j, 0), n)
+    return peak_of
+
+
+def _worker_names(plan: Plan, lay: WorkerLayout, workers: list[int], stage_of: dict) -> dict:
+    """Each simulated worker's name; a one-rank layout says which tp rank stands for a stage."""
+    full = lay.tps == plan_layout(plan).tps
+    return {w: (_worker_name(plan, w) if full
+                else f"w{w} stage {stage_of[w]} {plan.stages[stage_of[w]].chip} "
+                f"tp rank 0 of {plan.stages[stage_of[w]].tp}")
+            for w in workers}
 
 
 def manifest_b_fractions(stages: list[dict]) -> dict:
@@ -624,7 +663,6 @@ def simulate_build(costs, plan, cluster, cal, streams: dict,
 def program_comm_volumes(fwd, bwd) -> tuple[list, list]:
     """(forward, backward) comm volumes of a stage's programs (h2ir Graphs), for
     `simulate(program_comm=...)`: one (collective, bytes, group size) per COMM node."""
-    from h2ir.opset import comm_volume
 
     def vols(g):
         out = []

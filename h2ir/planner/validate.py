@@ -18,7 +18,7 @@ from h2ir.clusters.cluster import Cluster
 from h2ir.costs import ModelCosts
 from h2ir.errors import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_MICROBATCHES, MAX_SEQ_LEN, H2Error
 from h2ir.planner.resource import ep_groups, stage_memory
-from h2ir.planner.search import divisors
+from h2ir.planner.divisors import divisors
 from h2ir.plans.plan import (A2A_ALGOS, MIGRATION, PLACEMENTS, RECOMPUTE, SCHEDULES, ZERO_STAGES,
                              Plan)
 from h2ir.planner.simulate import plan_chunks
@@ -237,6 +237,17 @@ class _Validator:
         moe_layers = [l for l in self.costs.layers if l.moe is not None]
         if not moe_layers:
             self.fail(f"a 'moe' section, but model '{self.costs.model}' has no MoE layers", "moe")
+        self._moe_values(m)
+        # An expert group is `ep` data-parallel replicas of one stage (Plan.stage_ep; the
+        # compiler's `fwd ep[..]` groups): ep divides dp and the experts of every MoE layer the
+        # stage holds. The moe section's ep is checked against every MoE layer when no stage
+        # overrides it.
+        experts = sorted({l.moe.num_experts for l in moe_layers})
+        for i in range(len(self.plan.stages)):
+            self._stage_ep(i, experts)
+
+    def _moe_values(self, m):
+        """The moe section's own values: ep, placement, all-to-all, migration, capacity."""
         if not _is_positive_int(m.ep):
             self.fail(f"moe: ep must be a positive integer, got {m.ep!r}", "moe.ep")
         for value, allowed, what, key in ((m.placement, PLACEMENTS, "expert placement", "placement"),
@@ -253,28 +264,27 @@ class _Validator:
                                     and cap > 0):
             self.fail(f"moe: capacity must be a positive factor or none, got {cap!r}",
                       "moe.capacity")
-        # An expert group is `ep` data-parallel replicas of one stage (Plan.stage_ep; the
-        # compiler's `fwd ep[..]` groups): ep divides dp and the experts of every MoE layer the
-        # stage holds. The moe section's ep is checked against every MoE layer when no stage
-        # overrides it.
-        experts = sorted({l.moe.num_experts for l in moe_layers})
+
+    def _stage_ep(self, i: int, experts: list[int]):
+        """Stage i's EP degree (its own, else the moe section's) divides dp and the experts of
+        the MoE layers it holds (every MoE layer's, for the section's)."""
+        s = self.plan.stages[i]
+        own = s.ep is not None
+        ep = self.plan.stage_ep(i)
+        key = self._stage_key(i, "ep") if own else "moe.ep"
+        who = f"stage {i}: ep={ep}" if own else f"moe: ep={ep}"
+        if own and not _is_positive_int(s.ep):
+            self.fail(f"stage {i}: ep must be a positive integer, got {s.ep!r}", key)
+        if self.plan.dp % ep:
+            self.fail(f"{who} does not divide dp={self.plan.dp}; expert-parallel groups "
+                      f"are formed from the data-parallel replicas of a stage", key,
+                      hint="ep must divide dp: " + ", ".join(str(d) for d in divisors(self.plan.dp)))
         by_name = {l.name: l for l in self.costs.layers}
-        for i, s in enumerate(self.plan.stages):
-            own = s.ep is not None
-            ep = self.plan.stage_ep(i)
-            key = self._stage_key(i, "ep") if own else "moe.ep"
-            who = f"stage {i}: ep={ep}" if own else f"moe: ep={ep}"
-            if own and not _is_positive_int(s.ep):
-                self.fail(f"stage {i}: ep must be a positive integer, got {s.ep!r}", key)
-            if self.plan.dp % ep:
-                self.fail(f"{who} does not divide dp={self.plan.dp}; expert-parallel groups "
-                          f"are formed from the data-parallel replicas of a stage", key,
-                          hint="ep must divide dp: " + ", ".join(str(d) for d in divisors(self.plan.dp)))
-            here = sorted({by_name[n].moe.num_experts for n in s.layers
-                           if n in by_name and by_name[n].moe is not None})
-            for e in (here if own else experts):
-                if e % ep:
-                    self.fail(f"{who} does not divide the {e} experts of the MoE layers", key)
+        here = sorted({by_name[n].moe.num_experts for n in s.layers
+                       if n in by_name and by_name[n].moe is not None})
+        for e in (here if own else experts):
+            if e % ep:
+                self.fail(f"{who} does not divide the {e} experts of the MoE layers", key)
 
     def zero(self):
         """ZeRO-1 shards AdamW state over a stage's dp group (executor/zero.py); an EP stage's

@@ -1,7 +1,7 @@
 """The plan: which chips run which layers, with what parallelism.
 
 This module holds only the data. `h2ir/plans/dsl.py` prints and parses the `.h2plan` text form,
-`h2ir/planner/validate.py` checks a plan against a model and a cluster, `h2ir/planner/search.py` (HeteroAuto)
+`h2ir/planner/validate.py` checks a plan against a model and a cluster, `h2ir/planner/search/` (HeteroAuto)
 produces plans.
 
 Conventions
