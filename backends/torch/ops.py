@@ -3,24 +3,27 @@
 Kernels are called as `kernel(*inputs, **attrs)` with the op's attributes (defaults filled in);
 inputs are tensors on the backend's device or Python scalars (a binary op may get a scalar on
 either side). Every kernel is device-agnostic; only creation ops need the device, and only the
-matrix ops (mm, bmm, attention, attention_bwd) look at the dtype policy.
+matrix ops, the loss path and mixed-dtype binary ops look at the dtype policy.
 
 Attention on CPU calls the same ATen kernels AOTAutograd records when the model is traced
 (`_scaled_dot_product_flash_attention_for_cpu` and its backward), so an h2ir program reproduces
-eager PyTorch. Elsewhere (CUDA) it runs in math form — scores, mask, logsumexp, softmax — which
-is correct on any device by construction and is exercised on CPU by the tests
-(`attention="math"`). COMM and MOE ops are not kernels: the runtime and DiComm execute them.
+eager PyTorch. On CUDA it calls the fused kernels torch's scaled_dot_product_attention uses
+(FlashAttention-2, memory-efficient) and their backward, per call where they apply; otherwise
+it runs in math form — scores, mask, logsumexp, softmax — which is correct on any device by
+construction and is exercised on CPU by the tests (`attention="math"`). COMM and MOE ops are
+not kernels: the runtime and DiComm execute them.
 """
 from __future__ import annotations
 
 import math
 import operator
+import os
 
 import torch
 import torch.nn.functional as F
 
 from h2ir.opset import DROPOUT_RNG, dropout_threshold
-from h2ir.types import DTYPE_TABLE
+from h2ir.types import DTYPE_POLICIES, DTYPE_TABLE
 
 aten = torch.ops.aten
 
@@ -30,8 +33,6 @@ H2_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
 
 # nll_loss reduction names -> ATen's enum (at::Reduction)
 REDUCTION = {"none": 0, "mean": 1, "sum": 2}
-
-DTYPE_POLICIES = ("fp32", "bf16")
 
 
 def _dims(dims, rank: int) -> list[int]:
@@ -104,6 +105,8 @@ def gelu_bwd(grad, x, approximate="none"):
 
 def cumsum(x, dim, dtype=None):
     out = TORCH_DTYPE[dtype] if dtype else (x.dtype if x.is_floating_point() else torch.int64)
+    if out in _LOW_PRECISION:       # CUDA's scan adds in the half type itself: add in f32
+        return torch.cumsum(x, dim, dtype=torch.float32).to(out)
     return torch.cumsum(x, dim, dtype=out)
 
 
@@ -416,6 +419,145 @@ def attention_bwd_flash_cpu(grad, q, k, v, out, lse, causal=False, scale=None):
     return attention_masked_bwd_flash_cpu(grad, q, k, v, out, lse, None, causal, scale)
 
 
+# CUDA: ATen's fused kernels, the ones torch's scaled_dot_product_attention dispatches to.
+# FlashAttention-2 takes f16/bf16 without a mask; the memory-efficient kernel (xFormers) also
+# takes f32 and an additive bias, and returns its logsumexp padded to a multiple of 32 rows.
+# A call neither applies to (f64, a head size they lack, a non-square causal mask) runs the math
+# form, as does a call whose kernel raises (told once).
+_EFFICIENT_LSE_ROWS = 32
+_FUSED_FAILED: set = set()
+
+
+def fused_attention_kind(q, k, v, mask=None, causal=False) -> str | None:
+    """'flash', 'efficient' or None (math) for one attention call on CUDA."""
+    if q.device.type != "cuda" or not q.dtype == k.dtype == v.dtype:
+        return None
+    d = q.shape[-1]
+    if causal and q.shape[-2] != k.shape[-2]:
+        return None       # their causal masks are aligned differently when not square
+    if mask is None and q.dtype in _LOW_PRECISION and d % 8 == 0 and d <= 256 \
+            and "flash" not in _FUSED_FAILED:
+        return "flash"
+    align = 8 if q.dtype in _LOW_PRECISION else 4
+    if q.dtype in _LOW_PRECISION + (torch.float32,) and d % align == 0 and d <= 128 \
+            and "efficient" not in _FUSED_FAILED:
+        return "efficient"
+    return None
+
+
+def fused_attention_bwd_kind(q, k, v, mask=None, causal=False) -> str | None:
+    """The backward's kernel: the forward's, except that the efficient kernel's bf16/f16
+    backward with a bias gave wrong dq and dk on an H200 (torch 2.11; its fp32 backward and
+    its forward were right): math there."""
+    kind = fused_attention_kind(q, k, v, mask, causal)
+    if kind == "efficient" and mask is not None and q.dtype in _LOW_PRECISION:
+        return None
+    return kind
+
+
+def _fused_failed(kind: str, e: Exception) -> None:
+    import warnings
+    _FUSED_FAILED.add(kind)
+    warnings.warn(f"h2: ATen's {kind} attention kernel failed ({str(e).splitlines()[0][:200]}); "
+                  "attention runs in math form from now on")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _efficient_bias(mask, q, k) -> torch.Tensor | None:
+    """The mask as the efficient kernel's additive bias: q's dtype, [b, h, s_q, s_k], its rows
+    16-element aligned (padded, then sliced back, as torch's sdpa does)."""
+    if mask is None:
+        return None
+    b, h, s_q, s_k = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
+    bias = _additive_mask(mask, q.dtype).expand(b, h, s_q, s_k)
+    pad = -s_k % 16
+    if pad or bias.stride(-1) != 1:
+        bias = F.pad(bias, (0, pad))[..., :s_k]
+    return bias
+
+
+def attention_masked_cuda(q, k, v, mask, causal=False, scale=None):
+    kind = fused_attention_kind(q, k, v, mask, causal)
+    if kind is None:
+        return attention_masked_math(q, k, v, mask, causal, scale)
+    h = q.shape[1]
+    q_, k_, v_ = (_last_dim_contiguous(t) for t in (q, _repeat_heads(k, h), _repeat_heads(v, h)))
+    try:
+        if kind == "flash":
+            out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False,
+                                                                scale=scale)[:2]
+        else:
+            out, lse = aten._scaled_dot_product_efficient_attention(
+                q_, k_, v_, _efficient_bias(mask, q, k), True, 0.0, causal, scale=scale)[:2]
+            lse = lse[..., :q.shape[-2]].contiguous()
+    except RuntimeError as e:
+        _fused_failed(kind, e)
+        return attention_masked_math(q, k, v, mask, causal, scale)
+    return out, lse.to(torch.float32)
+
+
+def attention_masked_bwd_cuda(grad, q, k, v, out, lse, mask, causal=False, scale=None):
+    """The fused kernels' backward from the saved output and logsumexp (either form's: they are
+    the same quantities); grouped-query heads summed back into their kv head."""
+    kind = fused_attention_bwd_kind(q, k, v, mask, causal)
+    if kind is None or out.dtype != q.dtype or grad.dtype != q.dtype:
+        return attention_masked_bwd_math(grad, q, k, v, out, lse, mask, causal, scale)
+    h, h_kv, s_q, s_k = q.shape[1], k.shape[1], q.shape[-2], k.shape[-2]
+    q_, k_, v_, g_, o_ = (_last_dim_contiguous(t) for t in
+                          (q, _repeat_heads(k, h), _repeat_heads(v, h), grad, out))
+    lse = lse.to(torch.float32).contiguous()
+    try:
+        if kind == "flash":
+            # no dropout: the philox state is not read, only passed
+            seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                g_, q_, k_, v_, o_, lse, None, None, s_q, s_k, 0.0, causal, seed, offset,
+                scale=scale)
+        else:
+            lse = F.pad(lse, (0, -s_q % _EFFICIENT_LSE_ROWS))
+            seed = torch.zeros((), dtype=torch.int64)
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                g_, q_, k_, v_, _efficient_bias(mask, q, k), o_, lse, seed, seed, 0.0,
+                [True, True, True, False], causal, scale=scale)
+    except RuntimeError as e:
+        _fused_failed(kind, e)
+        return attention_masked_bwd_math(grad, q, k, v, out, lse[..., :s_q], mask, causal, scale)
+    return dq, _sum_heads(dk, h_kv), _sum_heads(dv, h_kv)
+
+
+def attention_cuda(q, k, v, causal=False, scale=None):
+    return attention_masked_cuda(q, k, v, None, causal, scale)
+
+
+def attention_bwd_cuda(grad, q, k, v, out, lse, causal=False, scale=None):
+    return attention_masked_bwd_cuda(grad, q, k, v, out, lse, None, causal, scale)
+
+
+ATTENTION_FORMS = {
+    "flash": (attention_flash_cpu, attention_bwd_flash_cpu, attention_masked_flash_cpu,
+              attention_masked_bwd_flash_cpu),
+    "fused": (attention_cuda, attention_bwd_cuda, attention_masked_cuda, attention_masked_bwd_cuda),
+    "math": (attention_math, attention_bwd_math, attention_masked_math, attention_masked_bwd_math),
+}
+
+
+def attention_form(device: torch.device, attention: str = "auto") -> str:
+    """The attention form a kernel table on `device` uses: 'auto' (or $H2_TORCH_ATTENTION when
+    set) is ATen's CPU flash kernels on the CPU, the fused CUDA kernels on CUDA, math elsewhere."""
+    if attention == "auto":
+        attention = os.environ.get("H2_TORCH_ATTENTION", "auto")
+    if attention == "auto":
+        attention = {"cpu": "flash", "cuda": "fused"}.get(device.type, "math")
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"unknown attention form {attention!r} (expected auto or one of "
+                         f"{', '.join(ATTENTION_FORMS)})")
+    return attention
+
+
 # ---- grouped matmul (MoE experts) -----------------------------------------------------------------
 
 def _groups(offsets: torch.Tensor):
@@ -581,16 +723,19 @@ selective_scan_bwd = _selective_scan_bwd(linear_scan_sequential)
 # ---- the table -----------------------------------------------------------------------------------
 
 def _autocast_bf16(fn, n_tensor_inputs: int, keep: tuple = ()):
-    """bf16 dtype policy: f32 matrix-op inputs run in bf16, f32 results come back (as autocast).
-    Only f32 tensors among the first n_tensor_inputs are cast, but for the positions in `keep`
-    (masks, offsets and ids are not f32; a logsumexp stays f32)."""
+    """bf16 dtype policy for a matrix op: it computes in bf16 and its result has the dtype of its
+    first operand's data. f32 operands among the first n_tensor_inputs are cast to bf16, but for
+    the positions in `keep` (masks, offsets and ids are not f32; a logsumexp stays f32); an f32
+    first operand gets f32 results back (as autocast), a bf16 one bf16 results."""
     def kernel(*args, **attrs):
-        if args[0].dtype != torch.float32:
+        if args[0].dtype not in (torch.float32, torch.bfloat16):
             return fn(*args, **attrs)
         cast_in = [a.to(torch.bfloat16) if i < n_tensor_inputs and i not in keep
                    and isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
                    for i, a in enumerate(args)]
         res = fn(*cast_in, **attrs)
+        if args[0].dtype == torch.bfloat16:
+            return res
         if isinstance(res, tuple):
             return tuple(r.to(torch.float32) if r.is_floating_point() else r for r in res)
         return res.to(torch.float32)
@@ -598,11 +743,44 @@ def _autocast_bf16(fn, n_tensor_inputs: int, keep: tuple = ()):
     return kernel
 
 
+def _bf16_follows(fn):
+    """bf16 policy for an elementwise binary op: a bf16 tensor with an f32 one computes in bf16
+    (the f32 operand is rounded, as a norm weight or a rotary table is under autocast's users),
+    so bf16 activations stay bf16; f32 with f32 is unchanged."""
+    def kernel(a, b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+            if a.dtype == torch.bfloat16 and b.dtype == torch.float32:
+                b = b.to(torch.bfloat16)
+            elif b.dtype == torch.bfloat16 and a.dtype == torch.float32:
+                a = a.to(torch.bfloat16)
+        return fn(a, b)
+    kernel.__name__ = f"bf16_{getattr(fn, '__name__', 'binary')}"
+    return kernel
+
+
+def _f32_from_bf16(fn):
+    """bf16 policy for the loss path and the embedding gradient: bf16 inputs are computed in f32
+    and the result stays f32 (log-probabilities and the loss keep f32's precision; an embedding
+    row's gradient sums many tokens)."""
+    def kernel(*args, **attrs):
+        args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+                for a in args]
+        return fn(*args, **attrs)
+    kernel.__name__ = f"f32_{fn.__name__}"
+    return kernel
+
+
+# binary ops whose bf16-with-f32 operands compute in bf16 under the bf16 policy
+BF16_BINARY = ("add", "sub", "mul", "div", "power", "maximum", "minimum")
+
+
 def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: str = "auto",
                  scan: str = "auto") -> dict:
     """h2ir op name -> kernel for tensors on `device`.
 
-    attention: 'flash' (ATen's CPU flash kernels), 'math' (any device) or 'auto' (flash on CPU).
+    attention: 'flash' (ATen's CPU flash kernels), 'fused' (ATen's CUDA flash and
+    memory-efficient kernels, math where neither applies), 'math' (any device) or 'auto'
+    (`attention_form`: flash on CPU, fused on CUDA).
     scan: the selective scan's 'sequential' or 'chunked' form, or 'auto': sequential on the
     CPU (a step costs one fused multiply-add there; chunks' small matmuls cost more), chunked
     elsewhere (L / chunk sequential steps, the rest batched matmuls).
@@ -610,18 +788,13 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
     if dtype_policy not in DTYPE_POLICIES:
         raise ValueError(f"unknown dtype policy {dtype_policy!r} (expected one of "
                          f"{', '.join(DTYPE_POLICIES)})")
-    if attention == "auto":
-        attention = "flash" if device.type == "cpu" else "math"
+    attention = attention_form(device, attention)
     if scan == "auto":
         scan = "sequential" if device.type == "cpu" else "chunked"
     if scan not in SCANS:
         raise ValueError(f"unknown scan form {scan!r} (expected auto or one of "
                          f"{', '.join(SCANS)})")
-    attn_fwd, attn_bwd, masked_fwd, masked_bwd = {
-        "flash": (attention_flash_cpu, attention_bwd_flash_cpu, attention_masked_flash_cpu,
-                  attention_masked_bwd_flash_cpu),
-        "math": (attention_math, attention_bwd_math, attention_masked_math,
-                 attention_masked_bwd_math)}[attention]
+    attn_fwd, attn_bwd, masked_fwd, masked_bwd = ATTENTION_FORMS[attention]
 
     def full(shape, value, dtype="f32"):
         return torch.full(tuple(shape), value, dtype=TORCH_DTYPE[dtype], device=device)
@@ -669,4 +842,8 @@ def kernel_table(device: torch.device, dtype_policy: str = "fp32", attention: st
         ops["attention_bwd"] = _autocast_bf16(attn_bwd, 5)    # grad, q, k, v, out; lse stays f32
         ops["attention_masked"] = _autocast_bf16(masked_fwd, 4)
         ops["attention_masked_bwd"] = _autocast_bf16(masked_bwd, 7, keep=(5,))   # lse: f32
+        for op in BF16_BINARY:
+            ops[op] = _bf16_follows(ops[op])
+        ops["log_softmax"] = _f32_from_bf16(log_softmax)
+        ops["embedding_bwd"] = _f32_from_bf16(embedding_bwd)
     return ops

@@ -3,8 +3,12 @@
 `TorchBackend(device='cpu'|'cuda'|'cuda:1', dtype_policy='fp32'|'bf16')`. The dtype policy is
 per chip (a plan may give each chip type its own):
 - fp32: every op computes in the dtype of its inputs.
-- bf16: autocast-like. Programs, parameters, gradients and optimizer state stay f32; only the
-  matrix ops (mm, bmm, attention, attention_bwd) cast their f32 inputs to bf16 and return f32.
+- bf16: mixed precision with f32 master weights. Parameters, their accumulated gradients and the
+  AdamW state stay f32; the programs read bf16 copies of the parameters (`compute_params`, made
+  once per optimizer step), so activations flow in bf16 from op to op. Matrix ops compute in
+  bf16 (f32 operands are cast; an f32 first operand gets f32 back, as autocast), a binary op of
+  a bf16 and an f32 tensor computes in bf16, log-softmax and the embedding gradient in f32.
+  A stage's boundary values and parameter gradients leave in their declared dtypes (`as_dtype`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class TorchBackend:
         self.device = torch.device(device)
         self.dtype_policy = dtype_policy
         self.ops = kernel_table(self.device, dtype_policy, attention, scan)
+        self._copies: dict = {}      # name -> (master, its version, its bf16 copy)
 
     def __repr__(self) -> str:
         return f"TorchBackend(device={str(self.device)!r}, dtype_policy={self.dtype_policy!r})"
@@ -65,6 +70,31 @@ class TorchBackend:
 
     def dtype_of(self, t: torch.Tensor) -> str:
         return H2_DTYPE[t.dtype]
+
+    # ---- mixed precision -----------------------------------------------------------------------
+    def compute_params(self, params: dict) -> dict:
+        """The parameters as the programs read them: under bf16, a bf16 copy of each f32 master,
+        cast again only once the master changed (its version counter: AdamW and loads update in
+        place); otherwise `params` itself."""
+        if self.dtype_policy != "bf16":
+            return params
+        out = {}
+        for k, t in params.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                out[k] = t
+                continue
+            hit = self._copies.get(k)
+            if hit is None or hit[0] is not t or hit[1] != t._version:
+                hit = (t, t._version, t.to(torch.bfloat16))
+                self._copies[k] = hit
+            out[k] = hit[2]
+        return out
+
+    def as_dtype(self, t, dtype: str):
+        """`t` in h2ir dtype `dtype` (itself when it already is): a value leaving a bf16 program
+        in the dtype the stage's signature declares."""
+        want = TORCH_DTYPE[dtype]
+        return t if not isinstance(t, torch.Tensor) or t.dtype == want else t.to(want)
 
     def storage(self, t) -> tuple | None:
         """(key, bytes) of the memory `t` lives in (views share it); None for a non-tensor."""
