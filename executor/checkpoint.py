@@ -82,45 +82,55 @@ def file_digest(path: Path) -> dict:
     return {"sha256": sha, "size": size}
 
 
-def _safetensors_digest(f, tensors: dict) -> tuple[str, int] | None:
-    """sha256 and size of a safetensors file just written from `tensors`, hashing its header from
-    the file and its data from memory (a checkpoint's data read back costs a worker as much CPU
-    as hashing it); None where the file is not exactly header + those arrays in its order."""
-    head = f.read(8)
-    if len(head) < 8:
-        return None
-    n = int.from_bytes(head, "little")
-    header = f.read(n)
-    try:
-        entries = json.loads(header)
-    except ValueError:
-        return None
-    entries.pop("__metadata__", None)
-    if set(entries) != set(tensors):
-        return None
-    h, pos = hashlib.sha256(head + header), 0
-    for k, e in sorted(entries.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
-        a = np.ascontiguousarray(tensors[k])
-        if e["data_offsets"] != [pos, pos + a.nbytes]:
-            return None
-        h.update(memoryview(a).cast("B"))
+# numpy dtype -> safetensors' dtype name (bf16 travels as its uint16 bits, as the backends hand it)
+_ST_DTYPES = {np.dtype(t): n for t, n in (
+    (np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"), (np.int64, "I64"),
+    (np.int32, "I32"), (np.int16, "I16"), (np.int8, "I8"), (np.uint64, "U64"), (np.uint32, "U32"),
+    (np.uint16, "U16"), (np.uint8, "U8"), (np.bool_, "BOOL"))}
+
+
+def write_safetensors(path: Path, tensors: dict) -> tuple[str, int]:
+    """Write `tensors` as a safetensors file straight from their memory, hashing the bytes as
+    they go out; returns (sha256, size). The format: an 8-byte header length, a JSON header
+    padded to 8 bytes, the arrays back to back (widest items first, so each is aligned).
+    safetensors' own writer copies every array into one buffer first: a checkpoint's size in
+    CPU time and memory that a background writer would take from the step beside it."""
+    arrays = sorted(((k, np.require(v, requirements="C")) for k, v in tensors.items()),
+                    key=lambda kv: (-kv[1].dtype.itemsize, kv[0]))
+    header, pos = {}, 0
+    for k, a in arrays:
+        if a.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {k}: no safetensors dtype for numpy {a.dtype}")
+        header[k] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
+                     "data_offsets": [pos, pos + a.nbytes]}
         pos += a.nbytes
-    size = 8 + n + pos
-    return (h.hexdigest(), size) if os.fstat(f.fileno()).st_size == size else None
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = len(raw).to_bytes(8, "little") + raw
+    h = hashlib.sha256(head)
+    with open(path, "wb") as f:
+        f.write(head)
+        for _, a in arrays:
+            data = memoryview(a.reshape(-1).view(np.uint8))
+            f.write(data)
+            h.update(data)
+    return h.hexdigest(), len(head) + pos
 
 
-def _durable_write(path: Path, write, tensors: dict | None = None) -> dict:
+def _durable_write(path: Path, write, hashed: bool = False) -> dict:
     """write(tmp) a whole file, fsync it, rename it over `path`, fsync the directory; returns the
-    file's {sha256, size}: of the bytes read back, or for a safetensors file of `tensors` its
-    header read back and its data hashed in memory. No `.tmp` stays behind on an error."""
+    file's {sha256, size}: with `hashed`, what `write` returned as (sha256, size) of the bytes
+    it wrote, else of the bytes read back. No `.tmp` stays behind on an error."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        write(tmp)
+        got = write(tmp)
+        got = got if hashed else None
         with open(tmp, "rb") as f:
-            got = _safetensors_digest(f, tensors) if tensors is not None else None
             if got is None:
-                f.seek(0)
                 got = _digest(f)
+            elif os.fstat(f.fileno()).st_size != got[1]:
+                raise OSError(f"{tmp.name} holds {os.fstat(f.fileno()).st_size} bytes after "
+                              f"{got[1]} were written")
             sha, size = got
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -131,9 +141,22 @@ def _durable_write(path: Path, write, tensors: dict | None = None) -> dict:
         except OSError:
             pass
         if isinstance(e, Exception):     # OSError, or safetensors' own error type
-            raise H2Error(f"cannot write checkpoint file: {e}", str(path)) from None
+            raise write_error(path.parent, e, path) from None
         raise
     return {"sha256": sha, "size": size}
+
+
+def write_error(d: Path, e: Exception, path: Path | None = None) -> H2Error:
+    """A failed write of checkpoint directory `d` (its file `path`) as a run error naming them
+    and the cause; that step never gets its COMPLETE, so --resume takes an earlier one."""
+    from executor.oserrors import os_error_cause, os_error_hint
+    os_err = isinstance(e, OSError)
+    cause = os_error_cause(e) if os_err else f"{type(e).__name__}: {e}"
+    hint = "; ".join(h for h in ((os_error_hint(e) if os_err else None),
+                                 "--resume takes the newest complete checkpoint") if h)
+    what = path.name if path is not None else "its directory"
+    return H2Error(f"cannot write checkpoint {d.name} ({what}): {cause}", str(path or d),
+                   hint=hint)
 
 
 def invalidate(d: Path) -> None:
@@ -149,16 +172,26 @@ def snapshot(worker, step: int) -> tuple[dict, dict]:
     """(tensors, metadata) of this worker's checkpoint of `step`, copied out of the live tables
     (the next step's optimizer updates them in place while a background writer saves these)."""
     be = worker.be
-    tensors = {}
-    for k in worker.param_names:
-        tensors[f"param.{k}"] = np.array(be.to_numpy(worker.params[k]), order="C", copy=True)
+    # the copies go into buffers kept from the last snapshot (its write has ended: the caller
+    # waits for it): fresh ones would cost a page fault per 4 KiB on every checkpoint
+    buffers = getattr(worker, "_snapshot_buffers", None)
+    if buffers is None:
+        buffers = {}
+        setattr(worker, "_snapshot_buffers", buffers)
+
+    def copy(name: str, t) -> np.ndarray:
+        src = be.to_numpy(t)
+        dst = buffers.get(name)
+        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+            dst = buffers[name] = np.empty(src.shape, src.dtype)
+        np.copyto(dst, src)
+        return dst
+    tensors = {f"param.{k}": copy(f"param.{k}", worker.params[k]) for k in worker.param_names}
     # a tied parameter's copy has no optimizer state of its own, a ZeRO-1 worker only its shard's
     for k in worker.opt_names:
-        if k not in worker.exp_avg:
-            continue
-        tensors[f"exp_avg.{k}"] = np.array(be.to_numpy(worker.exp_avg[k]), order="C", copy=True)
-        tensors[f"exp_avg_sq.{k}"] = np.array(be.to_numpy(worker.exp_avg_sq[k]), order="C",
-                                              copy=True)
+        if k in worker.exp_avg:
+            tensors[f"exp_avg.{k}"] = copy(f"exp_avg.{k}", worker.exp_avg[k])
+            tensors[f"exp_avg_sq.{k}"] = copy(f"exp_avg_sq.{k}", worker.exp_avg_sq[k])
     # Data is a pure function of (seed, step, replica, micro-batch): the next step is the position;
     # the per-source sample counts and epochs are recorded beside it for a reader
     run = (getattr(worker, "opt", None) or {}).get("run") or {}
@@ -223,21 +256,29 @@ def write_snapshot(root: Path, step: int, wid: int, tensors: dict, meta: dict) -
     returns; returns {file name: {sha256, size}} for the launcher's COMPLETE record. Weights or
     optimizer state that are not finite raise `NonFinite` and nothing is written: the launcher
     never marks that step complete."""
-    from safetensors.numpy import save_file
-    bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
+    bad = [k for k, v in tensors.items() if not _all_finite(v)]
     if bad:
         raise NonFinite(bad)
     root = Path(root)
     d = step_dir(root, step)
-    if not d.is_dir():
-        d.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(root)
-    invalidate(d)
+    try:
+        if not d.is_dir():
+            d.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(root)
+        invalidate(d)
+    except OSError as e:
+        raise write_error(d, e) from None
     st_name, mp_name = worker_files(wid)
-    files = {st_name: _durable_write(d / st_name, lambda p: save_file(tensors, str(p)),
-                                         tensors)}
+    files = {st_name: _durable_write(d / st_name, lambda p: write_safetensors(p, tensors),
+                                         hashed=True)}
     files[mp_name] = _durable_write(d / mp_name, lambda p: p.write_bytes(msgpack.packb(meta)))
     return files
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Every element finite; a finite sum proves it in one pass without a temporary (a sum that
+    overflowed is checked element by element)."""
+    return a.dtype.kind != "f" or bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
 
 
 def save_worker_checkpoint(root: Path, step: int, worker) -> dict:

@@ -9,7 +9,8 @@ for. Then it reads every worker's events (`ev/<w>/<n>`, in order) into the singl
 durable) and every worker's heartbeat record (`hb/<w>`, which counts the events sent, so one
 that never arrives is noticed). What stops a run, and how it is named:
 
-- a worker's own error (not a broken link): its located message, who said it and where;
+- a worker's own error (not a broken link; the earliest, if several): its located message, who
+  said it and where, and the broken links that followed in its peers;
 - a worker whose heartbeat stopped changing for HANG_AFTER_S: hung, or its process died;
 - every worker of one host silent: that host is lost (killed, or its link cut);
 - otherwise the first broken link reported.
@@ -192,12 +193,12 @@ class Coordinator(threading.Thread):
 
     def _verdict(self, run, progress, own, silent, hb, changed, now):
         build, errors = self.build, progress.errors
-        if own:
-            w = own[0]
+        if own:                 # the earliest own failure (by its event's time), then the rest
+            w = launcher._root_cause([], [], {w: errors[w] for w in own}, {}, [])
             try:
                 launcher._raise_worker_error(build, w, errors, progress.connected, run.status)
             except H2Error as e:
-                e.hint = (e.hint or "") + self._on_host(w, hb)
+                e.hint = (e.hint or "") + self._on_host(w, hb) + launcher._consequences(errors, w)
                 raise
         if silent:
             by_host: dict[int, list[int]] = {}

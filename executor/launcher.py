@@ -73,7 +73,7 @@ def _reader(proc, wid, q):
                 pass
         if line:
             q.put((wid, {"event": "log", "text": line}))
-    q.put((wid, {"event": "eof"}))
+    q.put((wid, {"event": "eof", "t": time.time()}))     # when it exited (or closed stdout)
 
 
 def _kill_all(procs):
@@ -307,6 +307,7 @@ class _Progress:
         self.connected: set = set()     # workers that sent "ready"
         self.errors: dict = {}          # worker -> its "error" event, in arrival order
         self.eof: set = set()           # workers whose stdout has ended
+        self.ended: dict = {}           # worker -> when its stdout ended (wall clock)
         self.last_step_t = None
 
     def on_event(self, w: int, ev: dict):
@@ -361,6 +362,7 @@ class _Progress:
             self.errors.setdefault(w, ev)
         elif kind == "eof":
             self.eof.add(w)
+            self.ended.setdefault(w, ev.get("t", time.time()))
 
     def log(self, line: dict) -> None:
         """One line of the JSON log, on disk before the next; a full or failing disk stops the
@@ -685,30 +687,50 @@ def _check_health(build, procs, status, done, run_dir, progress=None, launched: 
         # then blame the root cause before the collateral ones.
         time.sleep(0.3)
         failed = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
-    errors, connected = {}, None
+    errors, connected, ended = {}, None, {}
     if progress is not None:
         progress.drain(failed)
-        errors, connected = progress.errors, progress.connected
-    # the root cause: a worker's own error (not a broken link), else one killed by a signal,
-    # else the first broken link reported, else the first to exit
-    own = [w for w in errors if errors[w].get("kind") != "comm" and w in failed]
-    killed = [w for w in failed if procs[w].returncode < 0]
-    comm = [w for w in errors if w in failed]
-    if own or (comm and not killed and not hung):
-        _raise_worker_error(build, (own or comm)[0], errors, connected, status)
-    if killed or (failed and not hung):
-        w = (killed or failed)[0]
-        raise RunFailed(_failure(build, w, status, run_dir,
-                                 f"exited with {_describe_rc(procs[w].returncode)}", connected))
-    w = hung[0]
-    raise RunFailed(_failure(build, w, status, run_dir,
-                             f"stopped responding (no heartbeat for {silent(w):.1f} s)",
-                             connected))
+        errors, connected, ended = progress.errors, progress.connected, progress.ended
+    w = _root_cause(procs, failed, errors, ended, hung)
+    after = _consequences(errors, w)
+    if w in errors and (errors[w].get("kind") != "comm" or not hung):
+        _raise_worker_error(build, w, errors, connected, status, after)
+    what = f"exited with {_describe_rc(procs[w].returncode)}" if w in failed else \
+        f"stopped responding (no heartbeat for {silent(w):.1f} s)"
+    raise RunFailed(_failure(build, w, status, run_dir, what, connected) + after)
 
 
-def _raise_worker_error(build, w, errors, connected, status):
+def _root_cause(procs, failed: list, errors: dict, ended: dict, hung: list) -> int:
+    """The worker whose own failure stopped the run. A worker that reported its own error (not a
+    broken link), or that died without a word (killed, crashed), failed by itself; its peers'
+    broken links are what followed. Among several, the earliest: the time its error event says,
+    or when its output ended. Without one, a hung worker (its peers' receives time out on it),
+    else the first broken link reported."""
+    def t(w) -> float:
+        ev = errors.get(w)
+        if ev is not None and isinstance(ev.get("t"), (int, float)):
+            return float(ev["t"])
+        return ended.get(w, math.inf)
+    roots = [w for w in errors if errors[w].get("kind") != "comm"] + \
+        [w for w in failed if w not in errors]
+    if roots:
+        return min(roots, key=lambda w: (t(w), roots.index(w)))
+    if hung:
+        return hung[0]
+    return next((w for w in errors if w in failed), failed[0])
+
+
+def _consequences(errors: dict, root: int) -> str:
+    """The broken links other workers reported after `root` failed, one line each."""
+    lines = [f"then w{w}: {str(ev.get('message', '')).splitlines()[0][:200]}"
+             for w, ev in errors.items() if w != root and ev.get("kind") == "comm"][:4]
+    return "".join(f"\n  {line}" for line in lines)
+
+
+def _raise_worker_error(build, w, errors, connected, status, after: str = ""):
     """Worker w's own error event as the run's error: its located message, then which worker
-    said it and when (start-up, or the instruction it was at)."""
+    said it and when (start-up, or the instruction it was at); `after`: what followed in its
+    peers (`_consequences`)."""
     ev = errors[w]
     info = build.workers[w]
     who = f"worker w{w} (stage {info['stage']}, replica {info['replica']}, {info['backend']})"
@@ -718,8 +740,10 @@ def _raise_worker_error(build, w, errors, connected, status):
     if ev.get("kind") == "internal":
         raise InternalError(f"h2x run: {who}", str(ev.get("message", "")), ev.get("report"),
                             f"{when}; all workers stopped; its log: "
-                            f"{worker_log_path(build.path, w)}")
-    hint = "\n  ".join(h for h in (ev.get("hint"), context) if h)
+                            f"{worker_log_path(build.path, w)}" + after)
+    if ev.get("kind") == "os":
+        context += f"; its log: {worker_log_path(build.path, w)}"
+    hint = "\n  ".join(h for h in (ev.get("hint"), context) if h) + after
     raise H2Error(str(ev.get("message", "failed")), ev.get("file"), ev.get("line"),
                   ev.get("col"), hint=hint)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from executor.build import BuildDir
 from executor.checkpoint import (_durable_write, build_fingerprint, invalidate, mark_complete,
-                                 run_identity, step_dir, worker_files)
+                                 run_identity, step_dir, worker_files, write_safetensors)
 from executor.export import checkpoint_to_export, merged_tensors
 from executor.rundir import RunLock
 from executor.zero import segments as zero_segments
@@ -106,7 +106,6 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
     invalidate(d)
     reports = {}
     run = run_identity(build_fingerprint(new.path), src)   # the old checkpoint's lineage
-    from safetensors.numpy import save_file
     for w in new.workers:
         wid = w["id"]
         tp_rank, tp = int(w.get("tp_rank", 0)), len(w.get("tp_group") or [wid])
@@ -164,7 +163,8 @@ def _write(old, new, src, whole, meta0, aliases, root: Path, named_root, out) ->
         if zero:
             meta["zero"] = zero
         reports[wid] = {
-            st_name: _durable_write(d / st_name, lambda p, t=tensors: save_file(t, str(p)), tensors),
+            st_name: _durable_write(d / st_name, lambda p, t=tensors: write_safetensors(p, t),
+                                   hashed=True),
             mp_name: _durable_write(d / mp_name, lambda p, m=meta: p.write_bytes(msgpack.packb(m)))}
     mark_complete(root, at, run["build"], reports)
     out(f"resharded {src} ({len(old.workers)} workers) into {d} for {new.path} "

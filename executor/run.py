@@ -27,6 +27,9 @@ Membership and restarts are torchrun's. What the single-host launcher does happe
   records `ev/<w>/<n>` and a heartbeat record `hb/<w>` every HEARTBEAT_S (step, instruction,
   host); they listen only on one address (--iface, the cluster file's node `iface`, else the one
   that routes to MASTER_ADDR).
+- **Signals.** SIGTERM or SIGINT to `h2x run --nnodes` (torchrun's agent) stops this host's
+  workers as on a single host: the agent passes the signal on, each worker leaves at once and
+  silently, and the agent says so in one line (exit status 128 + the signal; SIGINT: 130).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import ipaddress
 import json
 import os
 import secrets
+import signal
 import socket
 import struct
 import sys
@@ -473,6 +477,7 @@ def serve(a, console, cfg) -> int:
     env = ElasticEnv.from_environ()
     build = BuildDir(a.build)
     wid = worker_of(build, env)
+    signal.signal(signal.SIGTERM, _stopped_by_signal)   # how torchrun's agent stops its workers
     secret = run_secret(a.secret_file)
     addr = listen_address(a.iface, build, env.host, env.master_addr)
     store = open_store(env, addr, max(a.timeout, 30.0))
@@ -542,6 +547,8 @@ def serve(a, console, cfg) -> int:
             ccl.close()
         comm.close()
         emit({"event": "done", "worker": wid, "links": links})
+    except Stopped as e:                    # the agent stops us: it says so, not each worker
+        stop(f"worker w{wid} stopped by {e.signal.name}", code=128 + e.signal, show=False)
     except BaseException as e:              # noqa: BLE001 - reported to the coordinator
         code = _report_failure(wid, emit, e)
         # the coordinator names the root cause and publishes `stop` (the heartbeat obeys it);
@@ -563,6 +570,20 @@ def serve(a, console, cfg) -> int:
 
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT in a worker under torchrun: its agent is stopping the run."""
+
+    def __init__(self, sig: int):
+        super().__init__()
+        self.signal = signal.Signals(sig)
+
+
+def _stopped_by_signal(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)       # a second one must not cut the exit
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def main(argv=None) -> int:
     """`python -m executor.run BUILD ...`: the process torchrun starts per worker."""
     from executor.cli import parse_run_args
@@ -577,11 +598,14 @@ def main(argv=None) -> int:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as f:
                 os.dup2(f.fileno(), 2)
+        signal.signal(signal.SIGINT, _stopped_by_signal)
         rc = serve(a, console, cfg)
     except H2Error as e:
         write_error_file(str(e))
         print(str(e), file=console, flush=True)
         return 2
+    except KeyboardInterrupt as e:      # stopped before (or after) the run: leave silently
+        os._exit(128 + e.signal if isinstance(e, Stopped) else 130)
     # Done: every worker has passed `finished`, so nothing is left to say. Leave without the
     # interpreter's teardown: it ran C++ destructors while the heartbeat thread sat in a store
     # call, and some runs (1 in 4 to 6 on the 2-host test bed) aborted there ("terminate called without an active
@@ -669,9 +693,19 @@ def launch(a, argv: list[str], out=print) -> int:
         f"{len(hosts[a.node_rank])} worker(s) " + " ".join(f"w{w}" for w in hosts[a.node_rank])
         + f"; rendezvous {mhost}:{mport} ({run_id}), up to {a.max_restarts} restart(s)")
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    quiet = _QuietShutdown()
     try:
         torchrun.run(torchrun.parse_args(targs))
+    except SignalException as e:    # SIGTERM/SIGINT: torchrun stopped every worker of this host
+        sig = signal.Signals(e.sigval)
+        if sig == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        print(f"h2x run: stopped by {sig.name} on host {a.node_rank}; its workers ("
+              + " ".join(f"w{w}" for w in hosts[a.node_rank]) + ") are stopped",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + sig) from None
     except ChildFailedError as e:
         if any(w == 0 for w in hosts[a.node_rank]):
             # the coordinator (worker 0) runs here and has printed the verdict above
@@ -687,7 +721,33 @@ def launch(a, argv: list[str], out=print) -> int:
         raise H2Error(f"torchrun stopped: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}",
                       hint=f"is node rank 0 up with --master {a.master}?") from None
+    finally:
+        quiet.close()
     return 0
+
+
+class _QuietShutdown:
+    """Drops torchrun's own log lines about a signal it received ("Received 15 death signal,
+    shutting down workers", "Sending process N closing signal SIGTERM") while it is installed:
+    h2x says what happened in one line of its own."""
+
+    NAMES = ("torch.distributed.elastic.agent.server.api",
+             "torch.distributed.elastic.multiprocessing.api")
+
+    def __init__(self):
+        import logging
+        self.loggers = [logging.getLogger(n) for n in self.NAMES]
+        for lg in self.loggers:
+            lg.addFilter(self.filter)
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith(("Received %s death signal",
+                                                "Sending process %s closing signal"))
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.removeFilter(self.filter)
 
 
 class _Reported(H2Error):

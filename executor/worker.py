@@ -37,6 +37,7 @@ from backends.registry import get_backend
 from executor.build import BuildDir
 from executor.checkpoint import NonFinite, load_worker_checkpoint, snapshot, write_snapshot
 from executor.experts import MoEState, StageComm, migrate_experts, update_loads
+from executor.oserrors import local_os_error, os_error_cause, os_error_hint
 from executor.zero import zero_shard
 from executor.redistribute import recv_shares, send_shares
 from executor.data import DataMix, TokenBatches, open_batches
@@ -160,7 +161,7 @@ class Worker(StreamInterpreter):
     # ---- compute -------------------------------------------------------------------------------
     def fwd(self, ins):
         mb = ins.mb
-        env = dict(self.params)
+        env = self._program_params()
         env.update(self.consts)
         if self.first or self.last:
             tokens, targets = self.data.micro_batch(self.step, self.replica, mb)
@@ -184,12 +185,12 @@ class Worker(StreamInterpreter):
         # saved values that are program inputs (params, the stage input) are read from env
         self.saved[mb] = saved
         if self.last:
-            self.losses.append(float(self.be.to_numpy(result["loss"])))
+            self.losses.append(float(self.be.to_numpy(self._declared(result["loss"], "loss"))))
         else:
             self.acts_out[mb] = result
 
     def _bwd_env(self, mb: int) -> tuple[dict, dict]:
-        env = dict(self.params)
+        env = self._program_params()
         env.update(self.consts)
         env.update(self.saved.pop(mb))
         received = self.grads_out.pop(mb, {})
@@ -220,11 +221,30 @@ class Worker(StreamInterpreter):
     def bwd_weight(self, ins):
         """Zero-bubble W: the parameter gradients of a micro-batch whose B ran earlier."""
         zb = self.st.zero_bubble
-        env = dict(self.params)
+        env = self._program_params()
         env.update(self.consts)
         env.update(self.w_pending.pop(ins.mb))
         outs = self._run(zb["bwd_weight"], env)
         self._take_grads(ins.mb, dict(zip(zb["w_outputs"], outs)), None)
+
+    # ---- mixed precision (a torch stage's bf16 policy, backends/torch/runtime.py) -------------
+    def _program_params(self) -> dict:
+        """The parameters as the stage's programs read them: bf16 copies under a bf16 policy."""
+        compute = getattr(self.be, "compute_params", None)
+        return dict(compute(self.params) if compute else self.params)
+
+    def _declared(self, t, name: str):
+        """A value leaving the stage (boundary tensor, loss) in the dtype its signature declares."""
+        as_dtype = getattr(self.be, "as_dtype", None)
+        if as_dtype is None or t is None or (name not in self.out_types and
+                                             name not in self.in_types):
+            return t
+        return as_dtype(t, self._type_of(name).dtype)
+
+    def _as_master(self, k: str, g):
+        """A parameter gradient in its master's dtype, so micro-batches accumulate in f32."""
+        as_dtype = getattr(self.be, "as_dtype", None)
+        return g if as_dtype is None or g is None else as_dtype(g, self.be.dtype_of(self.params[k]))
 
     def _run(self, graph, env: dict) -> list:
         """Run a stage program, its values and everything the worker holds metered."""
@@ -247,7 +267,7 @@ class Worker(StreamInterpreter):
         add = self.be.ops["add"]
         for k in self.param_names:
             if k in grads:
-                g = grads[k]
+                g = self._as_master(k, grads[k])
                 if k not in self.param_grads:
                     self.param_grads[k] = g             # may be a view of something else: not ours
                 elif k not in self.owned_grads:
@@ -273,9 +293,11 @@ class Worker(StreamInterpreter):
         if self._ccl_p2p(self.wid, ins.peer):
             acts = self.acts_out.pop(ins.mb)
             for k in sorted(acts):      # one order on both ends: NCCL matches sends in order
-                self.sent_bytes["act"] += self.ccl.send(ins.peer, acts[k], f"act:{k}", ins.mb)
+                self.sent_bytes["act"] += self.ccl.send(ins.peer, self._declared(acts[k], k),
+                                                        f"act:{k}", ins.mb)
             return
         for k, t in self.acts_out.pop(ins.mb).items():
+            t = self._declared(t, k)
             self.sent_bytes["act"] += send_shares(self.comm, self.be.to_numpy(t), ins,
                                                   f"act:{k}{self._tag(self.stage_idx)}",
                                                   self.stage_idx)
@@ -299,10 +321,12 @@ class Worker(StreamInterpreter):
             for k in sorted(grads):
                 t = self.in_types[k]
                 g = grads[k] if grads[k] is not None else self.be.zeros(t.shape, t.dtype)
-                self.sent_bytes["grad"] += self.ccl.send(ins.peer, g, f"grad:{k}", ins.mb)
+                self.sent_bytes["grad"] += self.ccl.send(ins.peer, self._declared(g, k),
+                                                         f"grad:{k}", ins.mb)
             return
         for k, g in self.grads_in.pop(ins.mb).items():
             t = self.in_types[k]
+            g = self._declared(g, k)
             arr = self.be.to_numpy(g) if g is not None else np.zeros(t.shape, host_dtype(t.dtype))
             self.sent_bytes["grad"] += send_shares(self.comm, arr, ins,
                                                    f"grad:{k}{self._tag(self.stage_idx)}",
@@ -596,6 +620,8 @@ class Worker(StreamInterpreter):
                 if loss is not None:
                     self.emit({"event": "eval", "worker": self.wid, "step": step + 1,
                                "loss": loss})
+            if getattr(self, "writer_error", None) is not None:
+                self.wait_for_writer()      # a checkpoint failed: stop at once, naming it
             if ckpt_every and ckpt_dir is not None and (step + 1) % ckpt_every == 0:
                 self.checkpoint(ckpt_dir, step + 1)
         self.wait_for_writer()
@@ -962,6 +988,11 @@ def main(argv=None) -> int:
 
 
 def _report_failure(wid: int, emit, e: BaseException) -> int:
+    """The "error" event for `e` (kind: "user", "comm" for a broken link, "os" for what this
+    machine refused the worker itself, "internal" for a bug) and the exit code. `t` stamps when
+    it failed, so the launcher can tell the first failure from what it caused in its peers."""
+    import traceback
+
     from h2ir.errors import crash_report
     try:
         from executor.dicomm import CommError
@@ -971,16 +1002,29 @@ def _report_failure(wid: int, emit, e: BaseException) -> int:
         if e.code in (None, 0):
             return 0
         e = RuntimeError(f"sys.exit({e.code!r}) inside the worker")
-    ev = {"event": "error", "worker": wid}
+    ev = {"event": "error", "worker": wid, "t": time.time()}
     code = 2
+    own = local_os_error(e)             # out of descriptors, memory or disk: its own failure
     if isinstance(e, H2Error):
-        ev.update(kind="comm" if isinstance(e, CommError) else "user", message=e.message,
-                  file=e.file, line=e.line, col=e.col, hint=e.hint)
+        kind = "comm" if isinstance(e, CommError) else "user"
+        hint = e.hint
+        if kind == "comm" and own is not None:
+            kind = "os"
+            hint = "\n  ".join(h for h in (f"the cause is this worker's own: {os_error_cause(own)}",
+                                            os_error_hint(own), hint) if h)
+        ev.update(kind=kind, message=e.message, file=e.file, line=e.line, col=e.col, hint=hint)
+    elif isinstance(e, OSError):        # the machine refused it something: a run error, no bug
+        ev.update(kind="os", message=f"worker w{wid}: {os_error_cause(e)}"
+                  + (f": {e.filename}" if e.filename else "") + _doing(e),
+                  hint=os_error_hint(e))
+        traceback.print_exc(file=sys.stderr)       # the worker's log has where it happened
     else:
-        report = crash_report(f"h2x worker w{wid}", e)
+        try:
+            report = crash_report(f"h2x worker w{wid}", e)
+        except Exception:              # noqa: BLE001 - e.g. no descriptor left to write it
+            report = None
         msg = " ".join(str(e).split())
         ev.update(kind="internal", message=f"{type(e).__name__}: {msg[:300]}", report=report)
-        import traceback
         traceback.print_exc(file=sys.stderr)       # the worker's log, beside the crash report
         code = 1
     try:
@@ -988,6 +1032,16 @@ def _report_failure(wid: int, emit, e: BaseException) -> int:
     except (OSError, ValueError):      # the launcher is gone: nobody to tell
         pass
     return code
+
+
+def _doing(e: BaseException) -> str:
+    """' (in write_snapshot, executor/checkpoint.py:250)': the innermost h2 frame of `e`."""
+    import traceback
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        if fr.filename.startswith(root) and "site-packages" not in fr.filename:
+            return f" (in {fr.name}, {fr.filename[len(root):]}:{fr.lineno})"
+    return ""
 
 
 def _serve(a, emit) -> int:
@@ -1018,11 +1072,17 @@ def _serve(a, emit) -> int:
     if a.resume_from:
         load_worker_checkpoint(Path(a.resume_from), worker)
     t_origin = float(os.environ.get("H2_T0", time.perf_counter()))
+    trace = Path(a.run_dir, f"trace_w{a.worker}.json")
     try:
         worker.run(a.start, a.steps, a.checkpoint_every,
                    Path(a.checkpoint_dir) if a.checkpoint_dir else None, t_origin)
-    finally:
-        Path(a.run_dir, f"trace_w{a.worker}.json").write_text(json.dumps(worker.trace))
+    except BaseException:
+        try:                            # the trace so far; never in place of the failure itself
+            trace.write_text(json.dumps(worker.trace))
+        except OSError:
+            pass
+        raise
+    trace.write_text(json.dumps(worker.trace))
     comm.barrier(list(range(W)))
     links = [dict(link, src=a.worker) for link in comm.links()   # what really carried the run
              + (ccl.links() if ccl is not None else [])]

@@ -1,6 +1,7 @@
 """Hardening of the run's communication and supervision (issue 29): records bound to one run,
-no descriptors before authentication, accept errors survived, bounded secrets, a located error
-for a device this machine lacks or a full log disk, SIGTERM, streams predicted to deadlock, and
+no descriptors before authentication, accept errors survived, the worker that failed by itself
+named (not the peers that saw it go), bounded secrets, a located error for a device this machine
+lacks or a full log disk, SIGTERM (one host and torchrun), streams predicted to deadlock, and
 strict JSON logs.
 
 The attackers run as another uid (nobody) in a child forked from this process, which needs root;
@@ -466,6 +467,136 @@ def test_handshake_reads_share_one_deadline():
 
 
 # ================================================================================================
+# Whose failure it was: the worker that failed by itself is named, not a peer that saw it go
+# ================================================================================================
+
+class _Exited:
+    """A worker process as the launcher's health check sees it: its exit status."""
+
+    def __init__(self, rc: int | None):
+        self.returncode = rc
+
+    def poll(self):
+        return self.returncode
+
+
+class _Reports:
+    """The launcher's progress as its health check reads it: the workers' error events (in
+    arrival order) and when each one's output ended."""
+
+    def __init__(self, errors: dict, ended: dict):
+        self.errors, self.ended, self.eof, self.connected = errors, ended, set(ended), {0, 1}
+
+    def drain(self, workers, wait_s: float = 1.0):
+        pass
+
+
+def _verdict(build, rcs: list, errors: dict, ended: dict) -> str:
+    from executor.build import BuildDir
+    from executor.launcher import _check_health
+    status = np.zeros((2, 4))
+    status[:, 0] = time.time()          # both heartbeats fresh: nobody is hung
+    with pytest.raises(Exception) as e:
+        _check_health(BuildDir(build), [_Exited(rc) for rc in rcs], status, set(), None,
+                      _Reports(errors, ended))
+    return str(e.value)
+
+
+def _comm(w: int, peer: int, t: float) -> dict:
+    return {"event": "error", "worker": w, "kind": "comm", "t": t, "message":
+            f"rank {w}: waiting for 'grad:x' mb 0 from rank {peer}: rank {peer} closed its link "
+            f"to rank {w} (process exited or died)"}
+
+
+def test_the_worker_that_failed_by_itself_is_named_before_its_peers(build):
+    """w1 dies without a word (exit 1) and w0's broken link is reported first: w1 is named, and
+    w0's broken link is shown as what followed. Of two workers that report their own failure,
+    the earlier one (by its event's time, not by arrival) is named."""
+    t = time.time()
+    said = _verdict(build, [2, 1], {0: _comm(0, 1, t + 0.5)}, {1: t, 0: t + 0.6})
+    assert said.startswith("worker w1 (stage 1") and "exited with exit code 1" in said, said
+    assert "then w0: rank 0: waiting for 'grad:x'" in said, said
+    own = {1: {"event": "error", "worker": 1, "kind": "user", "t": t + 1, "message": "late"},
+           0: {"event": "error", "worker": 0, "kind": "os", "t": t, "message": "first"}}
+    said = _verdict(build, [2, 2], own, {0: t + 1, 1: t + 1})
+    assert said.startswith("error: first") and "reported by worker w0" in said, said
+    # only broken links (a network fault): the first one reported is what is named
+    said = _verdict(build, [2, 2], {1: _comm(1, 0, t), 0: _comm(0, 1, t)}, {0: t, 1: t})
+    assert said.startswith("error: rank 1: waiting") and "reported by worker w1" in said, said
+
+
+def test_a_workers_own_os_error_is_its_failure_not_a_broken_link():
+    """What a worker reports: its own OSError is kind "os" (exit 2, the cause and the limit,
+    never "internal"), and so is a comm error raised by its own exhausted descriptors; a comm
+    error from a peer's reset connection stays "comm" (a consequence)."""
+    from executor.worker import _report_failure
+
+    def report(e: BaseException) -> tuple[int, dict]:
+        got = []
+        try:
+            raise e
+        except BaseException as raised:     # noqa: BLE001 - with its traceback, as in main()
+            return _report_failure(1, got.append, raised), got[0]
+    code, ev = report(OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/x/trace_w1.json"))
+    assert code == 2 and ev["kind"] == "os", ev
+    assert ev["message"].startswith("worker w1: Too many open files (EMFILE: this process's file "
+                                    "descriptors are exhausted, limit "), ev
+    assert "/x/trace_w1.json" in ev["message"] and "ulimit -n" in ev["hint"], ev
+
+    def comm_error(cause: OSError) -> CommError:
+        try:
+            raise cause
+        except OSError:
+            try:
+                raise CommError("rank 1: no shm link to rank 0") from None
+            except CommError as e:
+                return e
+    code, ev = report(comm_error(OSError(errno.EMFILE, os.strerror(errno.EMFILE))))
+    assert code == 2 and ev["kind"] == "os" and "the cause is this worker's own: Too many " \
+        "open files (EMFILE" in ev["hint"], ev
+    code, ev = report(comm_error(ConnectionResetError(errno.ECONNRESET, "reset")))
+    assert ev["kind"] == "comm", ev
+
+
+def _starve(build, w: int, flags: list, ready) -> tuple[subprocess.CompletedProcess, list]:
+    """`h2x run BUILD *flags`; once `ready(line)` holds for a progress line, worker w's open-file
+    limit is cut to the descriptors it holds, so its next open() fails with EMFILE. (the run's
+    outcome, the worker processes)"""
+    import resource
+    p = subprocess.Popen([sys.executable, "-m", "executor.cli", "run", str(build), *flags],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = []
+        for line in p.stdout:
+            out.append(line)
+            if ready(line):
+                break
+        workers = sorted(q for q in _descendants(p.pid) if "executor.worker" in _cmdline(q))
+        assert len(workers) == 2, (workers, out)
+        target = next(q for q in workers if f"--worker {w} " in _cmdline(q))
+        n = _fd_count(target)
+        resource.prlimit(target, resource.RLIMIT_NOFILE, (n, n))
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, "".join(out) + rest, err), workers
+
+
+def test_a_worker_out_of_descriptors_is_named_not_the_peer_that_saw_it_go(build):
+    """w1 (not w0) runs out of descriptors: its own OSError (writing its trace at the end) is a
+    run error that names it, the cause and the limit; w0's broken link follows it."""
+    r, workers = _starve(build, 1, ["--steps", "60"], lambda line: line.startswith("step    3/"))
+    _clean_error(r)
+    assert "error: worker w1: Too many open files (EMFILE: this process's file descriptors are " \
+        "exhausted, limit" in r.stderr, r.stderr
+    assert "reported by worker w1 (stage 1" in r.stderr and "then w0: " in r.stderr, r.stderr
+    time.sleep(0.2)
+    assert not any(pid_alive(q) for q in workers), "workers outlived the run"
+
+
+# ================================================================================================
 # Bad flags and full disks: located errors, never an internal one
 # ================================================================================================
 
@@ -568,6 +699,40 @@ def test_sigterm_stops_the_run_like_ctrl_c(build, tmp_path):
     assert "stopped by SIGTERM" in err and "Traceback" not in err, err
     time.sleep(0.5)
     assert not any(pid_alive(w) for w in workers), "workers outlived the launcher"
+
+
+@pytest.mark.parametrize("sig, says", [
+    (signal.SIGTERM, "h2x run: stopped by SIGTERM on host 0; its workers (w0 w1) are stopped"),
+    (signal.SIGINT, "h2x: interrupted")], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_stops_a_multihost_run_like_ctrl_c(build, tmp_path, sig, says):
+    """`h2x run --nnodes` (torchrun's agent) stopped by SIGTERM or SIGINT: every worker stops,
+    and the agent says so in one line (no torchrun log lines, no internal error)."""
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "H2_SECRET"}
+    p = subprocess.Popen([sys.executable, "-m", "executor.cli", "run", str(build), "--nnodes", "1",
+                          "--node-rank", "0", "--master", f"127.0.0.1:{port}", "--secret-file",
+                          str(secret), "--steps", "100000"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    2/"):
+                break
+        workers = [q for q in _descendants(p.pid) if "executor.run" in _cmdline(q)]
+        assert len(workers) == 2, workers
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == (130 if sig == signal.SIGINT else 128 + sig), (p.returncode, err)
+    assert err.strip().splitlines() == [says], err
+    time.sleep(0.5)
+    assert not any(pid_alive(w) for w in workers), "workers outlived the agent"
 
 
 def _rewrite(b: Path, rel: str, text: str) -> None:

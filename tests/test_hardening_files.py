@@ -294,6 +294,62 @@ def test_lineage_is_kept_across_a_resume(trained, tmp_path, data_flags):
     assert json.loads((b / "ckpt" / step(6) / MARKER).read_text())["lineage"] == first
 
 
+# ---- a checkpoint that cannot be written: a run error naming its step and the cause -------------
+
+@pytest.mark.parametrize("err", ["EMFILE", "ENOSPC", "EACCES", "EIO"])
+@pytest.mark.parametrize("where", ["directory", "file"])
+def test_checkpoint_write_error_names_the_step_and_the_cause(tmp_path, monkeypatch, err, where):
+    """An OSError while a worker writes its checkpoint (its step directory, or a file in it) is
+    a run error naming the step directory and the cause, and leaves no temporary file."""
+    import errno
+    from executor import checkpoint
+    code = getattr(errno, err)
+
+    def fail(*a):
+        raise OSError(code, os.strerror(code))
+    d = tmp_path / step(4)
+    if where == "directory":
+        monkeypatch.setattr(checkpoint, "_fsync_dir", fail)
+    else:
+        d.mkdir()
+        monkeypatch.setattr(checkpoint.os, "fsync", fail)
+    with pytest.raises(H2Error) as e:
+        checkpoint.write_snapshot(tmp_path, 4, 0, {"param.w": np.ones(4, np.float32)}, {"step": 4})
+    said = str(e.value)
+    what = "its directory" if where == "directory" else "w0.safetensors"
+    assert f"error: cannot write checkpoint {step(4)} ({what}): {os.strerror(code)} ({err}" \
+        in said and said.startswith(str(d)), said
+    if err == "EMFILE":
+        assert "file descriptors are exhausted, limit" in said and "ulimit -n" in said, said
+    assert not list(tmp_path.rglob("*.tmp")), list(tmp_path.rglob("*"))
+
+
+def test_checkpoint_failing_mid_run_stops_it_and_resume_takes_the_previous(tiny_build, tmp_path):
+    """w1 runs out of descriptors after the checkpoint of step 10 is complete: its next checkpoint
+    fails in its background writer, and the run stops at once, naming w1, the step directory and
+    the cause; that step has no COMPLETE, and --resume takes step 10."""
+    import re
+
+    from test_hardening_comm import _starve
+    b = _copy(tiny_build, tmp_path / "b")
+    ck = tmp_path / "ck"
+    r, _ = _starve(b, 1, ["--steps", "200", "--checkpoint-every", "10", "--checkpoint-dir",
+                          str(ck)], lambda line: (ck / step(10) / "COMPLETE").exists())
+    _clean(r)
+    said = re.search(r"error: cannot write checkpoint (step_\d+) \((w1\.safetensors|w1\.msgpack|"
+                     r"its directory)\): Too many open files \(EMFILE", r.stderr)
+    assert said and "reported by worker w1 (stage 1" in r.stderr, r.stderr
+    bad = int(said.group(1)[len("step_"):])
+    assert bad > 10 and f"step{bad + 3}/" not in r.stdout.replace(" ", ""), r.stdout[-2000:]
+    assert not (ck / said.group(1) / "COMPLETE").exists()
+    newest = max(int(m.parent.name[len("step_"):]) for m in ck.glob("step_*/COMPLETE"))
+    assert newest == bad - 10, (newest, bad)
+    r = run_cli("h2x", "run", str(b), "--steps", str(newest + 2), "--resume", "--checkpoint-dir",
+                str(ck))
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {ck / step(newest)} (step {newest})" in r.stdout, r.stdout
+
+
 # ---- item 5: content digests of the build and of the token cache -------------------------------
 
 def test_changed_weight_is_refused(tiny_build, tmp_path):
