@@ -6,6 +6,7 @@ import json
 import os
 import textwrap
 
+import pytest
 import torch.nn as nn
 
 from conftest import run_cli, trains_like_eager
@@ -101,6 +102,7 @@ def test_blocks_are_found_in_a_list_a_sequential_and_attributes(tmp_path):
     assert find_blocks(_Mixed()) == ["x0", "x1"]
 
 
+@pytest.mark.slow          # the capture is checked above; two_depths below trains in make test
 def test_attribute_blocks_train_like_eager_on_two_stages(tmp_path):
     model = tmp_path / "m.py"
     model.write_text(MODEL)

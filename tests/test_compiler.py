@@ -102,10 +102,15 @@ PICKLE_MAGIC = [bytes([0x80, p]) for p in range(2, 6)]
 
 @pytest.fixture(scope="module")
 def mixed_build(tmp_path_factory):
+    """A torch stage and a NumPy stage, from a plan file (nothing measured: `--plan uniform` on
+    this cluster is test_executor's torch+numpy build)."""
     out = tmp_path_factory.mktemp("build") / "B"
-    r = run_cli("h2c", "compile", "examples/llama_tiny.py", "--cluster",
-                "examples/clusters/local-mixed.toml", "--plan", "uniform", "--global-batch", "4",
-                "--micro-batch", "2", "--seq-len", "32", "-o", str(out))
+    plan = out.parent / "p.h2plan"
+    plan.write_text('model "examples/llama_tiny.py"\ncluster "examples/clusters/local-mixed.toml"\n'
+                    "batch global=4 micro=2 seq=32\nschedule 1f1b\ndp 1\n"
+                    "stage chip=cpu-torch chips=1 tp=1 layers=embed, 0..3\n"
+                    "stage chip=cpu-numpy chips=1 tp=1 layers=4..7, head\n")
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", "--plan", str(plan), "-o", str(out))
     assert r.returncode == 0, r.stderr
     return out
 

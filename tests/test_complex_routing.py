@@ -2,8 +2,10 @@
 loops (frontend/routing.py): Llama 4 text, DBRX and the other transformers families written
 that way compile unmodified and train with losses equal to eager transformers (same initial
 weights, data and AdamW), on torch and on a 2-stage build with one stage per backend (NumPy
-first, so it runs the rotary layer); DBRX also with expert parallelism. One end-to-end case
-of each in `make test`; every family x attention x backend in `make test-slow`."""
+first, so it runs the rotary layer); DBRX also with expert parallelism. `make test` trains
+Llama 4 end to end and checks DBRX's routing on its own (the static form against the loop,
+the expert stacks' sharding); every family x attention x backend, and DBRX with EP, train in
+`make test-slow`."""
 import json
 from pathlib import Path
 
@@ -58,7 +60,7 @@ def train_and_compare(tmp: Path, model: str, args: dict, backends: str, ep: int 
     return [json.loads(l) for l in (tmp / "log.jsonl").read_text().splitlines()]
 
 
-# ---- end to end: one of each in make test ------------------------------------------------------
+# ---- end to end: Llama 4 in make test, DBRX with EP in make test-slow -------------------------
 
 def test_llama4_text_trains_like_eager_transformers_on_numpy_and_torch(tmp_path):
     """Dense and MoE layers (a shared expert), RoPE (complex) and NoPE layers with temperature
@@ -70,6 +72,7 @@ def test_llama4_text_trains_like_eager_transformers_on_numpy_and_torch(tmp_path)
     train_and_compare(tmp_path, HF, {"family": "llama4_text", "attn": "sdpa"}, "numpy+torch")
 
 
+@pytest.mark.slow          # four workers of a transformers model; EP runs by default in test_moe
 def test_dbrx_trains_like_eager_transformers_with_expert_parallelism(tmp_path):
     """DBRX's experts loop over nonzero/where results: captured static, run sparsely with 2 EP
     ranks per stage, a NumPy stage and a torch stage."""

@@ -53,6 +53,15 @@ def line_of(f, text: str) -> int:
     return next(i for i, ln in enumerate(f.read_text().splitlines(), 1) if text in ln)
 
 
+def compile_planned(tmp_path, f):
+    """`h2c compile f` with a one-stage plan file: the stage programs are built with no layer
+    times measured first (measuring is the slow test's below)."""
+    plan = tmp_path / "p.h2plan"
+    plan.write_text(f'model "{f}"\ncluster "local"\nbatch global=2 micro=1 seq=8\nschedule 1f1b\n'
+                    "dp 1\nstage chip=cpu-torch chips=1 tp=1 layers=embed, 0..1, head\n")
+    return run_cli("h2c", "compile", str(f), "--plan", str(plan), "-o", str(tmp_path / "build"))
+
+
 def assert_clean(r, code: int = 2):
     assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
@@ -105,8 +114,7 @@ def test_backward_only_op_is_located_at_its_forward_op(tmp_path):
     backward-only. (abs -> sgn served until sign joined the op set.)"""
     f = model_file(tmp_path, body="torch.nn.functional.interpolate(h, scale_factor=1.0, "
                                   "mode='linear')")
-    r = run_cli("h2c", "compile", str(f), "--seq-len", "8", "--global-batch", "2",
-                "-o", str(tmp_path / "build"))
+    r = compile_planned(tmp_path, f)
     if r.returncode == 0:
         pytest.skip("linear interpolation's backward lowers now: no backward-only op left")
     assert_clean(r)
@@ -179,8 +187,7 @@ def test_loss_fn_raising_is_an_error_in_the_model_file(tmp_path):
         def loss_fn(outputs, targets):
             raise ValueError("my loss is broken")
         ''')
-    r = run_cli("h2c", "compile", str(f), "--seq-len", "8", "--global-batch", "2",
-                "-o", str(tmp_path / "build"))
+    r = compile_planned(tmp_path, f)
     assert_clean(r)
     assert f"{f}:{line_of(f, 'my loss is broken')}: error: loss_fn() raised ValueError" in r.stderr
 

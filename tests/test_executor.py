@@ -41,19 +41,32 @@ def _compile(out: Path, *extra):
     return out
 
 
+class _Builds(dict):
+    """builds[kind], compiled when a test first asks for it (some kinds only slow tests use)."""
+    def __init__(self, d: Path):
+        super().__init__()
+        self.d = d
+
+    def _plan(self, name: str, text: str) -> str:
+        (self.d / f"{name}.h2plan").write_text(text)
+        return str(self.d / f"{name}.h2plan")
+
+    def __missing__(self, kind):
+        d = self.d
+        self[kind] = {
+            "torch+torch": lambda: _compile(d / "tt", "--plan", self._plan("tt", PLAN_TT)),
+            "torch+numpy": lambda: _compile(d / "tn", "--cluster", "local-mixed", "--plan",
+                                            "uniform"),
+            "numpy": lambda: _compile(d / "np", "--plan", self._plan("np", PLAN_NUMPY)),
+            # 2 data-parallel replicas
+            "torch|torch": lambda: _compile(d / "dp", "--plan", self._plan("dp", PLAN_DP)),
+        }[kind]()
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    d = tmp_path_factory.mktemp("x")
-    plans = {}
-    for name, text in (("tt", PLAN_TT), ("dp", PLAN_DP), ("np", PLAN_NUMPY)):
-        plans[name] = d / f"{name}.h2plan"
-        plans[name].write_text(text)
-    return {
-        "torch+torch": _compile(d / "tt", "--plan", str(plans["tt"])),
-        "torch+numpy": _compile(d / "tn", "--cluster", "local-mixed", "--plan", "uniform"),
-        "numpy": _compile(d / "np", "--plan", str(plans["np"])),
-        "torch|torch": _compile(d / "dp", "--plan", str(plans["dp"])),   # 2 data-parallel replicas
-    }
+    return _Builds(tmp_path_factory.mktemp("x"))
 
 
 def _losses(log: Path) -> list[float]:
@@ -191,20 +204,30 @@ def test_a_worker_killed_while_its_checkpoint_is_written_loses_nothing(builds, t
     assert r.returncode == 0 and f"(step {max(done)})" in r.stdout, r.stderr
 
 
-def test_checkpoint_digest_from_memory_equals_the_file(tmp_path):
-    """The writer hashes a safetensors file's data from memory: the digest must be the file's
-    own, for any dtype mix and order, and a file that is not those arrays is read back."""
+def test_checkpoint_safetensors_writer_round_trips(tmp_path):
+    """The checkpoint writer's safetensors files: safetensors reads back every array, for any
+    dtype mix (bf16 as its uint16 bits), and the digest it returns is the file's own."""
     import numpy as np
-    from safetensors.numpy import save_file
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
 
-    from executor.checkpoint import _durable_write, file_digest
+    from executor.checkpoint import _durable_write, file_digest, write_safetensors
     t = {"b.w": np.random.rand(3, 5).astype(np.float32), "a": np.arange(7, dtype=np.int64),
-         "c": np.ones(1, np.float16), "empty": np.zeros((0,), np.float32)}
-    got = _durable_write(tmp_path / "x.safetensors", lambda p: save_file(t, str(p)), t)
+         "c": np.ones(1, np.float16), "empty": np.zeros((0,), np.float32),
+         "bits": np.arange(5, dtype=np.uint16), "flag": np.array([True, False, True]),
+         "scalar": np.array(2.5, np.float64), "t": np.arange(12, dtype=np.float32).reshape(3, 4).T}
+    got = _durable_write(tmp_path / "x.safetensors", lambda p: write_safetensors(p, t),
+                         hashed=True)
     assert got == file_digest(tmp_path / "x.safetensors")
-    other = dict(t, a=np.arange(8, dtype=np.int64))      # not what was written
-    got = _durable_write(tmp_path / "y.safetensors", lambda p: save_file(t, str(p)), other)
-    assert got == file_digest(tmp_path / "y.safetensors")
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert set(back) == set(t)
+    for k, v in t.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and (back[k] == v).all(), k
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:     # torch's reader too
+        assert f.get_tensor("b.w").numpy().tolist() == t["b.w"].tolist()
+    # a writer that returns nothing: the file is read back
+    got = _durable_write(tmp_path / "y.bin", lambda p: p.write_bytes(b"abc"))
+    assert got == file_digest(tmp_path / "y.bin")
 
 
 def test_bad_build_dir_is_a_clean_error(tmp_path):

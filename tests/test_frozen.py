@@ -42,7 +42,8 @@ MODEL = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("cluster,chip,dp", [("local4", "cpu-torch", 2),      # all-reduced too
-                                             ("local-numpy", "cpu-numpy", 1)])
+                                             pytest.param("local-numpy", "cpu-numpy", 1,
+                                                          marks=pytest.mark.slow)])
 def test_frozen_parameters_stay_frozen_and_training_matches_eager(tmp_path, cluster, chip, dp):
     model = tmp_path / "m.py"
     model.write_text(MODEL)

@@ -113,27 +113,33 @@ def test_mixtral_ep2_round_trip_after_migration(tmp_path):
 
 
 def test_init_from_errors_name_the_tensor(tmp_path):
+    """The weight-reading phase of `h2c compile --init.from` (frontend/pretrained.py, called
+    as compile writes the weights): each refusal names the tensor and the directory.
+    test_qwen2_from_pretrained_trains_and_exports runs the same phase through h2c."""
     from safetensors.torch import load_file, save_file
+
+    from frontend.capture import load_model_file
+    from frontend.pretrained import lazy_weights, load_pretrained
+    from h2ir.errors import H2Error
     src = _pretrained(tmp_path, "qwen2")
     sd = load_file(str(src / "model.safetensors"))
     bad = {k: v for k, v in sd.items() if "layers.1.mlp.down_proj" not in k}
     save_file(bad, str(src / "model.safetensors"), metadata={"format": "pt"})
-    r = run_cli("h2c", "compile", MODEL, "--arg", "family=qwen2", "--plan", "uniform",
-                "--global-batch", "2", "--micro-batch", "2", "--seq-len", "16",
-                "--init.from", str(src), "-o", str(tmp_path / "b"))
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "down_proj" in r.stderr and str(src) in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("h2c", "compile", MODEL, "--arg", "family=qwen2", "--plan", "uniform",
-                "--global-batch", "2", "--micro-batch", "2", "--seq-len", "16",
-                "--init.from", str(tmp_path / "nope"), "-o", str(tmp_path / "b2"))
-    assert r.returncode == 2 and "init.from" in r.stderr
+    mf = load_model_file(MODEL)
+    args = {"family": "qwen2"}
+
+    def refusal(directory) -> str:         # as compile reads them (compiler._write_weights)
+        with pytest.raises(H2Error) as e:
+            if lazy_weights(mf, args, str(directory)) is None:
+                load_pretrained(mf.build(args), str(directory))
+        return str(e.value)
+    err = refusal(src)
+    assert "down_proj" in err and str(src) in err, err
+    assert "init.from" in refusal(tmp_path / "nope")
     # a different width: the shape is named
     (tmp_path / "w").mkdir()
-    other = _pretrained(tmp_path / "w", "qwen2", hidden=32)
-    r = run_cli("h2c", "compile", MODEL, "--arg", "family=qwen2", "--plan", "uniform",
-                "--global-batch", "2", "--micro-batch", "2", "--seq-len", "16",
-                "--init.from", str(other), "-o", str(tmp_path / "b3"))
-    assert r.returncode == 2 and "shape" in r.stderr, r.stderr
+    err = refusal(_pretrained(tmp_path / "w", "qwen2", hidden=32))
+    assert "shape" in err, err
 
 
 def test_init_from_a_sharded_index_is_read_stage_by_stage(tmp_path):
@@ -165,8 +171,12 @@ def test_init_from_a_sharded_index_is_read_stage_by_stage(tmp_path):
     (src / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: f for f, ks in shards.items() for k in ks}}))
     cli = [a for k, v in args.items() for a in ("--arg", f"{k}={v}")]
-    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *cli, "--plan", "uniform",
-                "--global-batch", "4", "--micro-batch", "2", "--seq-len", "16",
+    plan = tmp_path / "p.h2plan"          # a plan file: no layer times to measure first
+    plan.write_text('model "examples/llama_tiny.py"\ncluster "local"\nbatch global=4 micro=2 '
+                    "seq=16\nschedule 1f1b\ndp 1\n"
+                    "stage chip=cpu-torch chips=1 tp=1 layers=embed, 0\n"
+                    "stage chip=cpu-torch chips=1 tp=1 layers=1, head\n")
+    r = run_cli("h2c", "compile", "examples/llama_tiny.py", *cli, "--plan", str(plan),
                 "--init.from", str(src), "-o", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert "parameters read stage by stage" in r.stdout

@@ -173,7 +173,9 @@ def test_writes_through_views_update_their_base(tmp_path):
     _trains_like_eager(tmp_path, VIEW_WRITES, "local-numpy", 3)
 
 
-@pytest.mark.parametrize("cluster, chip", [("local", "cpu-torch"), ("local-numpy", "cpu-numpy")])
+# the torch case in make test-slow: test_compiler's stage gradients run op_zoo on torch
+@pytest.mark.parametrize("cluster, chip", [
+    pytest.param("local", "cpu-torch", marks=pytest.mark.slow), ("local-numpy", "cpu-numpy")])
 def test_a_model_of_seventy_torch_functions_trains_like_eager(tmp_path, cluster, chip):
     """tests/op_zoo.py: erf, atan, sign, flip, roll, var/std, argmax, remainder/fmod, hypot,
     log2, logsigmoid, mish, new_full (lerp) and ~55 more in one block, on both backends (a plan

@@ -52,11 +52,21 @@ def _compile(d: Path, name: str, plan: str, batch: list[str]) -> Path:
     return out
 
 
+class _Builds(dict):
+    """builds["dp" | "tp"], compiled when a test first asks for it (tp: the slow tests only)."""
+    def __init__(self, d: Path):
+        super().__init__()
+        self.d = d
+
+    def __missing__(self, kind):
+        plan, micro = {"dp": (PLAN_DP, "1"), "tp": (PLAN_TP, "2")}[kind]
+        self[kind] = _compile(self.d, kind, plan, ["--global-batch", "4", "--micro-batch", micro])
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mh")
-    return {"dp": _compile(d, "dp", PLAN_DP, ["--global-batch", "4", "--micro-batch", "1"]),
-            "tp": _compile(d, "tp", PLAN_TP, ["--global-batch", "4", "--micro-batch", "2"])}
+    return _Builds(tmp_path_factory.mktemp("mh"))
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -135,7 +145,8 @@ def _assert_links(out: str):
 
 
 @needs_netns
-@pytest.mark.parametrize("kind", ["dp", "tp"])
+# dp (the all-reduce between hosts) in make test; tp (the stage boundary between hosts) slow
+@pytest.mark.parametrize("kind", ["dp", pytest.param("tp", marks=pytest.mark.slow)])
 def test_two_hosts_equal_single_host(builds, kind, tmp_path):
     """(a) 2 stages x dp 2: a replica per host, the all-reduce between hosts; (b) 2 stages x
     tp 2: a stage's TP ranks on one host, the stage boundary between hosts."""

@@ -117,12 +117,16 @@ def test_recompute_saves_less_and_trains_the_same(tmp_path):
             assert abs(mem["tensors"] / mem["predicted"] - 1) <= 0.15, (m, w, mem)
 
 
-def test_selective_drops_the_attention_core_and_keeps_the_dropout_mask(tmp_path):
+def _selective_builds(tmp_path, seq: int) -> dict:
     model = tmp_path / "eager.py"
     model.write_text(EAGER)
+    return {m: _compile(tmp_path, m, str(model), [], _two(m, split=("embed, 0", "1, head")),
+                        f"global=4 micro=2 seq={seq}") for m in ("none", "selective")}
+
+
+def test_selective_drops_the_attention_core(tmp_path):
     seq = 48
-    builds = {m: _compile(tmp_path, m, str(model), [], _two(m, split=("embed, 0", "1, head")),
-                          f"global=4 micro=2 seq={seq}") for m in ("none", "selective")}
+    builds = _selective_builds(tmp_path, seq)
 
     def quadratic(build):
         st = BuildDir(build).stage(0)
@@ -130,19 +134,32 @@ def test_selective_drops_the_attention_core_and_keeps_the_dropout_mask(tmp_path)
         return [v.name for v in st.fwd.outputs[n_out:] if tuple(v.type.shape[-2:]) == (seq, seq)]
     assert quadratic(builds["none"]), "the eager attention saves s x s values"
     assert quadratic(builds["selective"]) == []
+
+
+@pytest.mark.slow          # a run of each build; test_recompute_saves_less... runs in make test
+def test_selective_keeps_the_dropout_mask(tmp_path):
+    builds = _selective_builds(tmp_path, 48)
     none, sel = (_run(builds[m], 2) for m in ("none", "selective"))
     assert [x["loss"] for x in sel] == [x["loss"] for x in none]
 
 
-def test_tensor_parallel_full_recompute_does_not_rerun_collectives(tmp_path):
+def _tp_builds(tmp_path) -> tuple[Path, Path]:
     l4 = "examples/clusters/local4.toml"
-    none = _compile(tmp_path, "none", "examples/llama_tiny.py", TINY,
-                    _two("none", "chips=2 tp=2"), "global=8 micro=2 seq=64", l4)
-    full = _compile(tmp_path, "full", "examples/llama_tiny.py", TINY,
-                    _two("full", "chips=2 tp=2"), "global=8 micro=2 seq=64", l4)
+    return tuple(_compile(tmp_path, m, "examples/llama_tiny.py", TINY,
+                          _two(m, "chips=2 tp=2"), "global=8 micro=2 seq=64", l4)
+                 for m in ("none", "full"))
+
+
+def test_tensor_parallel_full_recompute_does_not_rerun_collectives(tmp_path):
+    none, full = _tp_builds(tmp_path)
     comm = lambda b, g: sum(1 for n in getattr(BuildDir(b).stage(0), g).nodes()  # noqa: E731
                             if n.op == "tp_all_reduce")
     assert comm(full, "bwd") == comm(none, "bwd") and comm(full, "fwd") == comm(none, "fwd")
+
+
+@pytest.mark.slow          # four TP workers per run
+def test_tensor_parallel_full_recompute_trains_the_same(tmp_path):
+    none, full = _tp_builds(tmp_path)
     a, b = _run(none, 2), _run(full, 2)
     assert [x["loss"] for x in b] == [x["loss"] for x in a]
 

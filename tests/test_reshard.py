@@ -118,7 +118,6 @@ def test_reshard_refuses_another_model(tmp_path):
                  "global=8 micro=2 seq=32")
     b = _compile(tmp_path, "b", "examples/llama_tiny.py", TINY + ["--arg", "ffn=128"], "local",
                  TWO, "global=8 micro=2 seq=32")
-    r = run_cli("h2x", "run", str(a), "--steps", "1", "--checkpoint-every", "1")
-    assert r.returncode == 0, r.stderr
+    # the builds' manifests are compared before any checkpoint is read: A needs none
     r = run_cli("h2x", "reshard", str(a), str(b))
     assert r.returncode == 2 and "model.args" in r.stderr, r.stderr

@@ -147,7 +147,9 @@ def one_f_one_b(tmp_path_factory):
     return _losses(b, 20)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "izb", "zbv"])
+# ZB-V in make test (chunks, the split backward and the V placement); the others in test-slow
+@pytest.mark.parametrize("schedule", [pytest.param("interleaved", marks=pytest.mark.slow),
+                                      pytest.param("izb", marks=pytest.mark.slow), "zbv"])
 def test_losses_equal_1f1b_over_20_steps_on_torch_and_numpy(schedule, one_f_one_b, tmp_path):
     b = _build(tmp_path, schedule, zip(MIXED[schedule], FOUR))
     m = json.loads((b / "manifest.json").read_text())
@@ -162,6 +164,7 @@ def test_losses_equal_1f1b_over_20_steps_on_torch_and_numpy(schedule, one_f_one_
     assert len(got) == 20 and rel <= 1e-6, rel
 
 
+@pytest.mark.slow          # resuming runs by default in test_executor, test_zero and test_moe
 def test_resume_of_a_chunked_run_reproduces_it(tmp_path):
     b = _build(tmp_path, "zbv", zip(MIXED["zbv"], FOUR))
     full = _losses(b, 6, checkpoint_every=3)
@@ -227,14 +230,15 @@ def test_h2c_plan_writes_a_virtual_stage_plan(tmp_path):
     assert p.schedule == "zbv" and p.virtual == 2 and p.num_stages == 2 * p.num_physical
 
 
-def test_tied_embedding_and_head_across_chunks(tmp_path):
+# ZB-V (first and last chunk on w0) in make test; interleaved (on another worker) in test-slow
+@pytest.mark.parametrize("schedule", [pytest.param("interleaved", marks=pytest.mark.slow), "zbv"])
+def test_tied_embedding_and_head_across_chunks(tmp_path, schedule):
     """tie=true: the head's copy of the embedding is exchanged between chunks: on another
     worker (interleaved) or on the same one (ZB-V, which puts the first and last chunk on w0)."""
     tied = {**SMALL, "tie": True}
     losses = {}
     for sch, stages in (("1f1b", [("cpu-torch", "embed, 0..2"), ("cpu-numpy", "3..5, head")]),
-                        ("interleaved", zip(MIXED["interleaved"], FOUR)),
-                        ("zbv", zip(MIXED["zbv"], FOUR))):
+                        (schedule, zip(MIXED[schedule], FOUR))):
         plan = tmp_path / f"{sch}.h2plan"
         plan.write_text(_plan_text(sch, stages))
         out = tmp_path / sch
@@ -244,9 +248,8 @@ def test_tied_embedding_and_head_across_chunks(tmp_path):
             text = (out / "streams/w0.txt").read_text()
             assert "send_tied_grads -> w0 c1" in text and "recv_tied_grads <- w0 c0" in text
         losses[sch] = _losses(out, 6)
-    for sch in ("interleaved", "zbv"):
-        rel = max(abs(a - w) / abs(w) for a, w in zip(losses[sch], losses["1f1b"]))
-        assert rel <= 1e-6, (sch, rel)
+    rel = max(abs(a - w) / abs(w) for a, w in zip(losses[schedule], losses["1f1b"]))
+    assert rel <= 1e-6, (schedule, rel)
 
 
 def test_h2c_plan_schedule_auto_keeps_the_fastest_schedule(tmp_path):

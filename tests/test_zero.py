@@ -302,14 +302,24 @@ def _on_numpy(build: Path, replicas) -> Path:
     return build
 
 
+class _Builds(dict):
+    """builds[("dp2" | "dp4", zero)], compiled when first asked for (the dp4 ones only by the
+    slow tests)."""
+    def __init__(self, d: Path):
+        super().__init__()
+        self.d = d
+
+    def __missing__(self, key):
+        dp, z = key
+        self[key] = {"dp2": lambda: _on_numpy(_compile(self.d, f"dp2z{z}", _plan(2, z)), [1]),
+                     "dp4": lambda: _on_numpy(_compile(self.d, f"dp4z{z}", _plan(4, z, "local4")),
+                                              [1, 3])}[dp]()
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    d = tmp_path_factory.mktemp("zero")
-    out = {}
-    for z in (0, 1):
-        out[("dp2", z)] = _on_numpy(_compile(d, f"dp2z{z}", _plan(2, z)), [1])
-        out[("dp4", z)] = _on_numpy(_compile(d, f"dp4z{z}", _plan(4, z, "local4")), [1, 3])
-    return out
+    return _Builds(tmp_path_factory.mktemp("zero"))
 
 
 def _run(build: Path, steps: int, *extra) -> dict[int, dict]:
@@ -406,10 +416,12 @@ def _build(path: Path):
     return BuildDir(str(path))
 
 
+@pytest.mark.slow          # the dp2 test above checks the same at two replicas
 def test_dp4_torch_and_numpy_replicas_equal_zero0(builds):
     _check_run(builds[("dp4", 0)], builds[("dp4", 1)], 4, 4)
 
 
+@pytest.mark.slow          # checks the check above, not h2
 def test_a_build_that_skips_the_all_gather_is_caught(builds, tmp_path):
     """The comparison above has teeth: without the all-gather each replica keeps its old weights
     (only its shard was updated, and never written back), and the losses leave zero=0's."""
