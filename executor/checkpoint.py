@@ -46,6 +46,7 @@ from h2ir.errors import H2Error
 FORMAT = "h2-ckpt/2"        # 2: step, build and lineage in every worker's metadata
 MARKER = "COMPLETE"
 _CHUNK = 1 << 20
+_WRITE_CHUNK = 256 << 10     # within a core's L2: hashing it after writing it reads no memory
 MAX_META_BYTES = 64 << 20   # a worker's msgpack metadata (ZeRO segments, MoE placements)
 # safetensors writes NAME through a temporary file of its own in the same directory
 # (the tempfile crate's `.tmp` and six random characters), then renames it
@@ -112,8 +113,9 @@ def write_safetensors(path: Path, tensors: dict) -> tuple[str, int]:
         f.write(head)
         for _, a in arrays:
             data = memoryview(a.reshape(-1).view(np.uint8))
-            f.write(data)
-            h.update(data)
+            for i in range(0, len(data), _WRITE_CHUNK):    # hashed while still in the cache
+                f.write(data[i:i + _WRITE_CHUNK])
+                h.update(data[i:i + _WRITE_CHUNK])
     return h.hexdigest(), len(head) + pos
 
 
