@@ -37,6 +37,14 @@ class LayerCost:
     def selective_bytes(self) -> int:
         return self.act_saved_bytes if self.act_selective_bytes is None else self.act_selective_bytes
 
+    def per_token_scaled(self, r: float) -> "LayerCost":
+        """This layer's per-micro-batch figures times r (more or fewer tokens per micro-batch)."""
+        return dataclasses.replace(
+            self, fwd_flops=int(self.fwd_flops * r), bwd_flops=int(self.bwd_flops * r),
+            act_saved_bytes=int(self.act_saved_bytes * r), out_bytes=int(self.out_bytes * r),
+            act_selective_bytes=None if self.act_selective_bytes is None
+            else int(self.act_selective_bytes * r))
+
 
 @dataclass(frozen=True)
 class TiedParam:
@@ -78,12 +86,7 @@ class ModelCosts:
         if micro_batch == self.micro_batch:
             return self
         r = micro_batch / self.micro_batch
-        layers = tuple(dataclasses.replace(
-            l, fwd_flops=int(l.fwd_flops * r), bwd_flops=int(l.bwd_flops * r),
-            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r),
-            act_selective_bytes=None if l.act_selective_bytes is None
-            else int(l.act_selective_bytes * r))
-            for l in self.layers)
+        layers = tuple(l.per_token_scaled(r) for l in self.layers)
         return dataclasses.replace(self, micro_batch=micro_batch, layers=layers)
 
     def to_json(self) -> dict:

@@ -74,12 +74,7 @@ def _costs_at(costs: ModelCosts, micro_batch: int, seq_len: int) -> ModelCosts:
     c = costs.scaled(micro_batch)
     if seq_len and c.seq_len and seq_len != c.seq_len:
         r = seq_len / c.seq_len
-        layers = tuple(dataclasses.replace(
-            l, fwd_flops=int(l.fwd_flops * r), bwd_flops=int(l.bwd_flops * r),
-            act_saved_bytes=int(l.act_saved_bytes * r), out_bytes=int(l.out_bytes * r),
-            act_selective_bytes=None if l.act_selective_bytes is None
-            else int(l.act_selective_bytes * r))
-            for l in c.layers)
+        layers = tuple(l.per_token_scaled(r) for l in c.layers)
         c = dataclasses.replace(c, seq_len=seq_len, layers=layers)
     return c
 
