@@ -2,7 +2,7 @@
 
 For each build: `h2c compile` with a hand-written plan, `h2x run` for a few steps, then each
 worker's measured peak (the high-water mark of its live tensors: backends/memory.py) beside the
-resource model's peak for its stage (h2ir/planner/resource.py `stage_memory`, written in the
+resource model's peak for its stage (h2ir/planner/resource/memory.py `stage_memory`, written in the
 manifest as stages[i].memory). Memory is not noisy the way time is: one run per build.
 
     .venv/bin/python bench/bench_memory.py [--steps 3] [--only NAME ...]

@@ -830,7 +830,7 @@ _op("moe_stats", Group.COMM, ["x", "counts"], {"capacity": REQUIRED, "layer": RE
 
 def comm_volume(op: str, ins: list, attrs: dict) -> tuple[str, int, int] | None:
     """(collective, payload bytes, group size) of a TP comm node, for the cost model's link
-    times (h2ir/planner/resource.py); None for ops that move no data."""
+    times (h2ir/planner/resource/); None for ops that move no data."""
     if op == "tp_all_reduce":
         return "all_reduce", ins[0].nbytes, attrs["size"]
     if op == "ep_all_to_all":

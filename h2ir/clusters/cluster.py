@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# Op classes a layer's work is split into for costing (h2ir/planner/resource.py): dense
+# Op classes a layer's work is split into for costing (h2ir/planner/resource/): dense
 # matmuls (GEMMs: projections, MLP, LM head), the attention core (scores and values), and
 # memory-bound work (norms, activations, residuals, softmax/loss: bytes moved / bandwidth).
 OP_CLASSES = ("matmul", "attention", "memory")
