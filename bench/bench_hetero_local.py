@@ -27,10 +27,8 @@ the caches, as another trainer would).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,12 +40,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 MODEL = str(ROOT / "examples/llama_tiny.py")
 OTHER_ARGS = {"dim": 128, "n_layers": 4, "ffn": 344}
 GLOBAL, SEQ = 16, 128
-# a CPU-heavy neighbour: one thread of fp32 matmuls, forever
-HOG = ("import numpy as np\na = np.random.default_rng(0).random((512, 512), dtype=np.float32)\n"
-       "while True:\n    a = (a @ a) * (1.0 / 512)\n")
-
-from plan_ranking import (describe, format_summary, measure_together, plan_set,  # noqa: E402
-                          report)
+from plan_ranking import (describe, finish, measure_together, plan_set,  # noqa: E402
+                          report, start_hogs, stop_hogs)
 
 
 def build(cluster: str, plan: str, model_args: dict | None = None, measure: bool = False) -> dict:
@@ -69,11 +63,6 @@ def run_once(b: dict, steps: int) -> float:
     from executor.launcher import run
     r = run(b["out"], steps=steps, out=lambda *a: None, predict=False)
     return statistics.median(r.step_s[1:])
-
-
-def start_hogs(n: int) -> list:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return [subprocess.Popen([sys.executable, "-c", HOG], env=env) for _ in range(n)]
 
 
 def plan_builds(cluster: str, n: int) -> dict:
@@ -141,15 +130,9 @@ def main():
                       f"{again:.3f} s (was {pred['auto']:.3f} s)")
             dump[cluster] = {"predicted": pred, "rounds": rounds, "plans": desc}
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    print("summary (docs/performance.md):")
-    for line in format_summary(rows):
-        print("  " + line)
-    print(f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"clusters": dump, "summary": rows}, indent=1))
+        stop_hogs(hogs)
+    finish(rows, f"load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - t0:.0f} s",
+           a.json, {"clusters": dump})
 
 
 if __name__ == "__main__":

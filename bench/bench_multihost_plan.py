@@ -28,7 +28,6 @@ Skips (exit 0, saying why) where network namespaces are unavailable.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -122,14 +121,14 @@ def main():
     if not ok:
         print(f"skipped: no network namespaces here ({why}); the emulated hosts need them")
         return
-    from bench_hetero_local import start_hogs
     from executor.build import BuildDir
     from executor.launcher import predicted_step_time
     from frontend.compiler import compile_model
     from h2ir.clusters.clusterfile import load_cluster
     from h2ir.plans.dsl import format_plan
     from h2ir.plans.dsl import load_plan
-    from plan_ranking import describe, format_summary, measure_together, plan_set, report
+    from plan_ranking import (describe, finish, measure_together, plan_set, report, start_hogs,
+                              stop_hogs)
     t0 = time.perf_counter()
     d = Path(tempfile.mkdtemp(prefix="h2-bench-mhp-"))
     os.environ["H2_CALIBRATION"] = str(d / "calibration.json")
@@ -183,15 +182,9 @@ def main():
             rows.append(report(name, pred, rounds, {p: describe(b["plan"]) for p, b in builds.items()}))
             dump[name] = {"predicted": pred, "rounds": rounds}
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    print("summary (docs/performance.md):")
-    for line in format_summary(rows):
-        print("  " + line)
-    print(f"load average {load()} at end; {time.perf_counter() - t0:.0f} s")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"rates": dump, "summary": rows}, indent=1))
+        stop_hogs(hogs)
+    finish(rows, f"load average {load()} at end; {time.perf_counter() - t0:.0f} s", a.json,
+           {"rates": dump})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ Reading the report:
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 # predicted steps closer than this (relative) are a tie: no claim about their order
@@ -249,3 +253,29 @@ def _best(heteroauto, costs, cluster, global_batch, kw):
 def _load(build):
     from h2ir.plans.dsl import load_plan
     return load_plan(str(Path(build.path) / "plan.h2plan"))
+
+
+# a CPU-heavy neighbour (--beside): one thread of fp32 matmuls, forever
+HOG = ("import numpy as np\na = np.random.default_rng(0).random((512, 512), dtype=np.float32)\n"
+       "while True:\n    a = (a @ a) * (1.0 / 512)\n")
+
+
+def start_hogs(n: int) -> list:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, "-c", HOG], env=env) for _ in range(n)]
+
+
+def stop_hogs(hogs: list) -> None:
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
+def finish(rows: list[dict], end: str, json_path: str | None, dump: dict) -> None:
+    """The benches' closing lines: the summary table, `end`, and every figure as JSON."""
+    print("summary (docs/performance.md):")
+    for line in format_summary(rows):
+        print("  " + line)
+    print(end)
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(dump, summary=rows), indent=1))
