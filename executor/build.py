@@ -126,13 +126,7 @@ class BuildDir:
         return decode_user_text(raw, p, what)
 
     def _json(self, rel: str, what: str):
-        text, p = self.read(rel, what), self.path / rel
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise H2Error(f"{what} is not valid JSON: {e.msg}", str(p), e.lineno, e.colno) from None
-        except RecursionError:
-            raise too_deep(text, str(p), what) from None
+        return _parse_json(self.read(rel, what), self.path / rel, what)
 
     def graph(self, rel):
         """A stage program (h2ir text) of the build, checked against digests.json."""
@@ -258,7 +252,11 @@ class BuildDir:
 def _read_json(path: Path, what: str):
     """A JSON file of the build, read within the size bound; bad JSON is an error naming the file
     and the spot."""
-    text = read_user_file(path, what)
+    return _parse_json(read_user_file(path, what), path, what)
+
+
+def _parse_json(text: str, path: Path, what: str):
+    """`text` (of file `path`) as JSON; bad JSON is an error naming the file and the spot."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
