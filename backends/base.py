@@ -40,6 +40,14 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         ...
 
+    def compute_params(self, params: dict) -> dict:
+        """The parameters as the programs read them under the backend's dtype policy (a torch
+        bf16 stage: bf16 copies of the f32 masters); `params` itself where there is none."""
+
+    def as_dtype(self, t, dtype: str):
+        """`t` in h2ir dtype `dtype` (itself when it already is): a value leaving a program in
+        the dtype the stage's signature declares."""
+
     def accumulate(self, dst, src) -> None:
         """dst += src in place (gradient accumulation across micro-batches)."""
 

@@ -230,21 +230,17 @@ class Worker(StreamInterpreter):
     # ---- mixed precision (a torch stage's bf16 policy, backends/torch/runtime.py) -------------
     def _program_params(self) -> dict:
         """The parameters as the stage's programs read them: bf16 copies under a bf16 policy."""
-        compute = getattr(self.be, "compute_params", None)
-        return dict(compute(self.params) if compute else self.params)
+        return dict(self.be.compute_params(self.params))
 
     def _declared(self, t, name: str):
         """A value leaving the stage (boundary tensor, loss) in the dtype its signature declares."""
-        as_dtype = getattr(self.be, "as_dtype", None)
-        if as_dtype is None or t is None or (name not in self.out_types and
-                                             name not in self.in_types):
+        if t is None or (name not in self.out_types and name not in self.in_types):
             return t
-        return as_dtype(t, self._type_of(name).dtype)
+        return self.be.as_dtype(t, self._type_of(name).dtype)
 
     def _as_master(self, k: str, g):
         """A parameter gradient in its master's dtype, so micro-batches accumulate in f32."""
-        as_dtype = getattr(self.be, "as_dtype", None)
-        return g if as_dtype is None or g is None else as_dtype(g, self.be.dtype_of(self.params[k]))
+        return g if g is None else self.be.as_dtype(g, self.be.dtype_of(self.params[k]))
 
     def _run(self, graph, env: dict) -> list:
         """Run a stage program, its values and everything the worker holds metered."""

@@ -64,6 +64,13 @@ class NumpyBackend:
     def synchronize(self) -> None:
         pass                                     # NumPy calls return when their work is done
 
+    # no dtype policy: programs compute in their traced dtypes
+    def compute_params(self, params: dict) -> dict:
+        return params
+
+    def as_dtype(self, t, dtype: str):
+        return t
+
     # ---- optimizer -----------------------------------------------------------------------------
     def l2_norm(self, t: np.ndarray) -> float:
         return float(np.linalg.norm(np.asarray(t).reshape(-1)))
